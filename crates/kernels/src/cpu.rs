@@ -1,0 +1,193 @@
+//! CPU reference of the capture kernel. This is the specification the CUDA kernel must match bit
+//! for bit.
+//!
+//! Semantics of [`capture_rows`], for every run `r` and every `k < r.len`, with
+//! `s = r.src_row + k` and `d = r.dst_row + k`:
+//! - `v[j] = f32(hidden[s][j]) + f32(residual[s][j])` (one f32 addition; without a residual,
+//!   `v[j] = f32(hidden[s][j])`), for `j < width`;
+//! - `out[d][j] = round_to_nearest_even(v[j], out.dtype)`;
+//! - `row_sums[d] = row_checksum(bits(out[d][0..width]))` (see [`crate::checksum`]);
+//! - `nonfinite[d] = #{ j : out[d][j] is NaN or infinite }`.
+//!
+//! Rows of `out` not named by a run are left untouched.
+
+use crate::checksum::element_term;
+use crate::dtype::DType;
+
+/// A read-only matrix of rows: element `(i, j)` lives at element offset `i * row_stride + j`.
+#[derive(Clone, Copy, Debug)]
+pub struct RowSource<'a> {
+    pub data: &'a [u8],
+    pub dtype: DType,
+    pub rows: usize,
+    pub width: usize,
+    /// Distance between consecutive rows, in elements.
+    pub row_stride: usize,
+}
+
+/// Consecutive rows copied from `src_row..src_row+len` to `dst_row..dst_row+len`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowRun {
+    pub src_row: usize,
+    pub dst_row: usize,
+    pub len: usize,
+}
+
+/// Destination of a capture: dense rows of `width` elements, plus per-row checksums and
+/// non-finite counts.
+#[derive(Debug)]
+pub struct CaptureTarget<'a> {
+    pub data: &'a mut [u8],
+    pub dtype: DType,
+    pub rows: usize,
+    pub width: usize,
+    pub row_sums: &'a mut [u64],
+    pub nonfinite: &'a mut [u32],
+}
+
+/// A kernel was called with arguments that do not fit together.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelError(pub String);
+
+impl std::fmt::Display for KernelError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for KernelError {}
+
+fn check_source(name: &str, s: &RowSource<'_>, width: usize) -> Result<(), KernelError> {
+    if s.width != width {
+        return Err(KernelError(format!("{name}: width {} does not match the target's {width}", s.width)));
+    }
+    if s.rows > 0 {
+        if s.row_stride < s.width {
+            return Err(KernelError(format!("{name}: row stride {} is smaller than the width {}", s.row_stride, s.width)));
+        }
+        let need = ((s.rows - 1) * s.row_stride + s.width) * s.dtype.size();
+        if s.data.len() < need {
+            return Err(KernelError(format!("{name}: {} bytes hold fewer than the {need} bytes of {} rows", s.data.len(), s.rows)));
+        }
+    }
+    Ok(())
+}
+
+/// Validates every argument of a capture; the CUDA launcher calls this too.
+pub fn check_capture(
+    hidden: &RowSource<'_>,
+    residual: Option<&RowSource<'_>>,
+    runs: &[RowRun],
+    out_rows: usize,
+    out_width: usize,
+) -> Result<(), KernelError> {
+    check_source("hidden", hidden, out_width)?;
+    if let Some(r) = residual {
+        check_source("residual", r, out_width)?;
+        if r.rows != hidden.rows {
+            return Err(KernelError(format!("residual has {} rows, hidden states {}", r.rows, hidden.rows)));
+        }
+    }
+    for run in runs {
+        if run.src_row + run.len > hidden.rows {
+            return Err(KernelError(format!("run {run:?} reads past the {} source rows", hidden.rows)));
+        }
+        if run.dst_row + run.len > out_rows {
+            return Err(KernelError(format!("run {run:?} writes past the {out_rows} target rows")));
+        }
+    }
+    Ok(())
+}
+
+/// The capture kernel's CPU reference (see the module documentation for its exact semantics).
+pub fn capture_rows(
+    hidden: &RowSource<'_>,
+    residual: Option<&RowSource<'_>>,
+    runs: &[RowRun],
+    out: &mut CaptureTarget<'_>,
+) -> Result<(), KernelError> {
+    let width = out.width;
+    check_capture(hidden, residual, runs, out.rows, width)?;
+    let row_bytes = width * out.dtype.size();
+    if out.data.len() < out.rows * row_bytes || out.row_sums.len() < out.rows || out.nonfinite.len() < out.rows {
+        return Err(KernelError(format!(
+            "target buffers are smaller than {} rows of {width} {} elements",
+            out.rows, out.dtype
+        )));
+    }
+    for run in runs {
+        for k in 0..run.len {
+            let s = run.src_row + k;
+            let d = run.dst_row + k;
+            let h_off = s * hidden.row_stride;
+            let dst = &mut out.data[d * row_bytes..(d + 1) * row_bytes];
+            let mut sum = 0u64;
+            let mut bad = 0u32;
+            for j in 0..width {
+                let mut v = hidden.dtype.load(hidden.data, h_off + j);
+                if let Some(r) = residual {
+                    v += r.dtype.load(r.data, s * r.row_stride + j);
+                }
+                let (bits, finite) = out.dtype.store(dst, j, v);
+                sum = sum.wrapping_add(element_term(bits, j));
+                bad += u32::from(!finite);
+            }
+            out.row_sums[d] = sum;
+            out.nonfinite[d] = bad;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checksum::row_checksum;
+
+    fn f32_bytes(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn adds_residual_selects_rows_and_sums() {
+        // 4 source rows of width 3, stride 4 (one padding element per row).
+        let h: Vec<f32> = (0..16).map(|x| x as f32).collect();
+        let r: Vec<f32> = (0..16).map(|x| 100.0 * x as f32).collect();
+        let (hb, rb) = (f32_bytes(&h), f32_bytes(&r));
+        let hs = RowSource { data: &hb, dtype: DType::F32, rows: 4, width: 3, row_stride: 4 };
+        let rs = RowSource { data: &rb, ..hs };
+        let mut data = vec![0u8; 2 * 3 * 4];
+        let (mut sums, mut bad) = (vec![0u64; 2], vec![0u32; 2]);
+        let mut out = CaptureTarget { data: &mut data, dtype: DType::F32, rows: 2, width: 3, row_sums: &mut sums, nonfinite: &mut bad };
+        let runs = [RowRun { src_row: 3, dst_row: 0, len: 1 }, RowRun { src_row: 1, dst_row: 1, len: 1 }];
+        capture_rows(&hs, Some(&rs), &runs, &mut out).unwrap();
+        let got: Vec<f32> = data.chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        assert_eq!(got, vec![1212.0, 1313.0, 1414.0, 404.0, 505.0, 606.0]);
+        assert_eq!(sums[0], row_checksum([1212.0f32, 1313.0, 1414.0].map(|x| u64::from(x.to_bits()))));
+        assert_eq!(bad, vec![0, 0]);
+    }
+
+    #[test]
+    fn counts_nonfinite_after_rounding() {
+        let hb = f32_bytes(&[f32::MAX, 1.0, f32::NAN, 2.0]);
+        let hs = RowSource { data: &hb, dtype: DType::F32, rows: 1, width: 4, row_stride: 4 };
+        let mut data = vec![0u8; 8];
+        let (mut sums, mut bad) = (vec![0u64; 1], vec![0u32; 1]);
+        let mut out = CaptureTarget { data: &mut data, dtype: DType::BF16, rows: 1, width: 4, row_sums: &mut sums, nonfinite: &mut bad };
+        capture_rows(&hs, None, &[RowRun { src_row: 0, dst_row: 0, len: 1 }], &mut out).unwrap();
+        assert_eq!(bad[0], 2, "f32::MAX overflows bf16 and NaN stays NaN");
+    }
+
+    #[test]
+    fn refuses_runs_out_of_bounds() {
+        let hb = f32_bytes(&[0.0; 8]);
+        let hs = RowSource { data: &hb, dtype: DType::F32, rows: 2, width: 4, row_stride: 4 };
+        let mut data = vec![0u8; 16];
+        let (mut sums, mut bad) = (vec![0u64; 1], vec![0u32; 1]);
+        let mut out = CaptureTarget { data: &mut data, dtype: DType::F32, rows: 1, width: 4, row_sums: &mut sums, nonfinite: &mut bad };
+        let e = capture_rows(&hs, None, &[RowRun { src_row: 1, dst_row: 0, len: 2 }], &mut out).unwrap_err();
+        assert!(e.0.contains("reads past"), "{e}");
+        let short = RowSource { data: &hb[..20], ..hs };
+        assert!(capture_rows(&short, None, &[], &mut out).is_err());
+    }
+}

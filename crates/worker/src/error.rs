@@ -1,0 +1,88 @@
+//! The one error type of the core. Every variant becomes a typed Python exception (see `py::errors`)
+//! whose message names what was expected, what was found, and what to do.
+
+use std::fmt;
+
+/// Which kind of failure; each maps to one Python exception class.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// Bad configuration: layer ids, convention, output directory, options.
+    Config,
+    /// A captured tensor or an assembled sample breaks the shape contract.
+    ShapeContract,
+    /// Captured values that are NaN or infinite.
+    NonFinite,
+    /// Token attribution is impossible or inconsistent (unknown request, gap in a prompt, wrong order).
+    Attribution,
+    /// Tensor-parallel ranks captured different values for what must be replicated.
+    RankMismatch,
+    /// Writing or reading output files failed.
+    Output,
+    /// The running vLLM, model or machine lacks something hscapture needs.
+    Compatibility,
+}
+
+impl ErrorKind {
+    pub const fn name(self) -> &'static str {
+        match self {
+            ErrorKind::Config => "ConfigError",
+            ErrorKind::ShapeContract => "ShapeContractError",
+            ErrorKind::NonFinite => "NonFiniteError",
+            ErrorKind::Attribution => "AttributionError",
+            ErrorKind::RankMismatch => "RankMismatchError",
+            ErrorKind::Output => "OutputError",
+            ErrorKind::Compatibility => "CompatibilityError",
+        }
+    }
+}
+
+/// An error of the core: a kind and a complete, lowercase message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CoreError {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl CoreError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        CoreError { kind, message: message.into() }
+    }
+}
+
+impl fmt::Display for CoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.kind.name(), self.message)
+    }
+}
+
+impl std::error::Error for CoreError {}
+
+pub type CoreResult<T> = Result<T, CoreError>;
+
+/// Returns early with a [`CoreError`] of the given kind unless the condition holds.
+///
+/// `ensure!(rows == expected, ShapeContract, "layer {id}: expected {expected} rows, found {rows}")`
+#[macro_export]
+macro_rules! ensure {
+    ($cond:expr, $kind:ident, $($fmt:tt)+) => {
+        if !($cond) {
+            return Err($crate::error::CoreError::new($crate::error::ErrorKind::$kind, format!($($fmt)+)));
+        }
+    };
+}
+
+/// Returns early with a [`CoreError`] of the given kind.
+#[macro_export]
+macro_rules! bail {
+    ($kind:ident, $($fmt:tt)+) => {
+        return Err($crate::error::CoreError::new($crate::error::ErrorKind::$kind, format!($($fmt)+)))
+    };
+}
+
+/// Builds a [`CoreError`] of the given kind (for `map_err` and `ok_or_else`).
+#[macro_export]
+macro_rules! core_err {
+    ($kind:ident, $($fmt:tt)+) => {
+        $crate::error::CoreError::new($crate::error::ErrorKind::$kind, format!($($fmt)+))
+    };
+}

@@ -1,0 +1,199 @@
+//! Layer ids, the two conventions, and where in the model each id is captured.
+//!
+//! - `after`: id `i` = `hidden_states + residual` after decoder layer `i`; valid ids `0..N-1`
+//!   (speculators 0.3/0.4, "output of layer i").
+//! - `before`: id `i` = the input of decoder layer `i`; `0` = the embeddings, `N` = the output of the
+//!   last layer before the final norm; valid ids `0..=N` (vLLM's EAGLE-3 aux layers and
+//!   `extract_hidden_states`, speculators' current training).
+//!
+//! `after` id `i` is `before` id `i + 1`.
+
+use crate::{bail, ensure, error::CoreResult};
+
+/// The meaning of a layer id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Convention {
+    After,
+    Before,
+}
+
+impl Convention {
+    pub fn parse(s: &str) -> CoreResult<Convention> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "after" | "after-layer" | "after_layer" => Ok(Convention::After),
+            "before" | "before-layer" | "before_layer" => Ok(Convention::Before),
+            other => bail!(
+                Config,
+                "unknown layer-id convention {other:?}: expected \"after\" (id i = output of decoder layer i, \
+                 speculators 0.3/0.4) or \"before\" (id i = input of decoder layer i, 0 = embeddings, \
+                 N = final output before the norm; vLLM and speculators' current training)"
+            ),
+        }
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Convention::After => "after",
+            Convention::Before => "before",
+        }
+    }
+
+    /// The largest valid id for a model with `n` decoder layers.
+    pub const fn max_id(self, n: usize) -> usize {
+        match self {
+            Convention::After => n - 1,
+            Convention::Before => n,
+        }
+    }
+}
+
+/// Where a layer slot's tensor is taken from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CapturePoint {
+    /// The input of decoder layer 0 (the embeddings, after any scaling the model applies).
+    Embeddings,
+    /// `hidden_states + residual` as returned by decoder layer `k` (0-based, global index).
+    LayerOutput(usize),
+}
+
+/// A validated, ordered set of layer ids: slot `s` holds `ids[s]`, ascending.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerPlan {
+    pub convention: Convention,
+    pub num_hidden_layers: usize,
+    pub ids: Vec<usize>,
+}
+
+impl LayerPlan {
+    /// Validates `ids` for `convention` on a model with `num_hidden_layers` decoder layers.
+    /// Refuses an empty list, duplicates and ids out of range; sorts ascending.
+    pub fn new(ids: &[i64], convention: Convention, num_hidden_layers: usize) -> CoreResult<LayerPlan> {
+        ensure!(num_hidden_layers > 0, Config, "the model reports 0 decoder layers: nothing can be captured");
+        ensure!(
+            !ids.is_empty(),
+            Config,
+            "the list of layer ids is empty: name at least one layer, e.g. `--layers {}` (convention `{}`)",
+            default_ids(convention, num_hidden_layers).iter().map(|x| x.to_string()).collect::<Vec<_>>().join(","),
+            convention.name()
+        );
+        let max = convention.max_id(num_hidden_layers);
+        let mut out = Vec::with_capacity(ids.len());
+        for &id in ids {
+            if id < 0 || id as u64 > max as u64 {
+                let hint = match convention {
+                    Convention::After if id as u64 == num_hidden_layers as u64 => format!(
+                        "; id {id} is the final output before the norm, which is id {num_hidden_layers} in the \
+                         `before` convention and {} in `after`",
+                        num_hidden_layers - 1
+                    ),
+                    _ if id < 0 => "; ids count from 0 (negative ids are not accepted)".to_string(),
+                    _ => String::new(),
+                };
+                bail!(
+                    Config,
+                    "layer id {id} is out of range for the `{}` convention on a model with {num_hidden_layers} \
+                     decoder layers: valid ids are 0..={max}{hint}",
+                    convention.name()
+                );
+            }
+            out.push(id as usize);
+        }
+        out.sort_unstable();
+        if let Some(w) = out.windows(2).find(|w| w[0] == w[1]) {
+            bail!(Config, "layer id {} is listed twice: each layer may be named once", w[0]);
+        }
+        Ok(LayerPlan { convention, num_hidden_layers, ids: out })
+    }
+
+    pub fn num_slots(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Where slot `s` is captured.
+    pub fn point(&self, slot: usize) -> CapturePoint {
+        let id = self.ids[slot];
+        match self.convention {
+            Convention::After => CapturePoint::LayerOutput(id),
+            Convention::Before if id == 0 => CapturePoint::Embeddings,
+            Convention::Before => CapturePoint::LayerOutput(id - 1),
+        }
+    }
+
+    /// All capture points in slot order.
+    pub fn points(&self) -> Vec<CapturePoint> {
+        (0..self.num_slots()).map(|s| self.point(s)).collect()
+    }
+
+    /// The same layers expressed in the other convention (`None` for an id with no equivalent:
+    /// `before` 0, the embeddings, has no `after` id).
+    pub fn ids_in(&self, convention: Convention) -> Vec<Option<usize>> {
+        self.ids
+            .iter()
+            .map(|&id| match (self.convention, convention) {
+                (a, b) if a == b => Some(id),
+                (Convention::After, Convention::Before) => Some(id + 1),
+                (Convention::Before, Convention::After) => id.checked_sub(1),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// The default ids of each convention's ecosystem for a model with `n` decoder layers:
+/// `after` — speculators 0.3/0.4's `[2, N/2, N-3, N-1]`; `before` — speculators' training
+/// `[2, N/2, N-3, N]`. Duplicates (tiny models) are removed.
+pub fn default_ids(convention: Convention, n: usize) -> Vec<usize> {
+    let last = convention.max_id(n);
+    let mut v: Vec<usize> = [2usize.min(last), n / 2, n.saturating_sub(3), last].into_iter().map(|x| x.min(last)).collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn after_range_and_points() {
+        let p = LayerPlan::new(&[5, 2, 31], Convention::After, 32).unwrap();
+        assert_eq!(p.ids, vec![2, 5, 31]);
+        assert_eq!(p.points(), vec![CapturePoint::LayerOutput(2), CapturePoint::LayerOutput(5), CapturePoint::LayerOutput(31)]);
+        let e = LayerPlan::new(&[32], Convention::After, 32).unwrap_err();
+        assert!(e.message.contains("valid ids are 0..=31") && e.message.contains("`before`"), "{e}");
+    }
+
+    #[test]
+    fn before_range_and_points() {
+        let p = LayerPlan::new(&[0, 32, 3], Convention::Before, 32).unwrap();
+        assert_eq!(p.points(), vec![CapturePoint::Embeddings, CapturePoint::LayerOutput(2), CapturePoint::LayerOutput(31)]);
+        assert!(LayerPlan::new(&[33], Convention::Before, 32).is_err());
+    }
+
+    #[test]
+    fn refuses_empty_duplicates_negative() {
+        assert!(LayerPlan::new(&[], Convention::After, 4).unwrap_err().message.contains("empty"));
+        assert!(LayerPlan::new(&[1, 1], Convention::After, 4).unwrap_err().message.contains("twice"));
+        assert!(LayerPlan::new(&[-1], Convention::Before, 4).unwrap_err().message.contains("negative"));
+    }
+
+    #[test]
+    fn conventions_are_one_apart() {
+        let after = LayerPlan::new(&[0, 3], Convention::After, 4).unwrap();
+        assert_eq!(after.ids_in(Convention::Before), vec![Some(1), Some(4)]);
+        let before = LayerPlan::new(&[0, 4], Convention::Before, 4).unwrap();
+        assert_eq!(before.ids_in(Convention::After), vec![None, Some(3)]);
+        for id in 0..4 {
+            let a = LayerPlan::new(&[id], Convention::After, 4).unwrap().point(0);
+            let b = LayerPlan::new(&[id + 1], Convention::Before, 4).unwrap().point(0);
+            assert_eq!(a, b, "after {id} must be captured where before {} is", id + 1);
+        }
+    }
+
+    #[test]
+    fn defaults() {
+        assert_eq!(default_ids(Convention::After, 32), vec![2, 16, 29, 31]);
+        assert_eq!(default_ids(Convention::Before, 32), vec![2, 16, 29, 32]);
+        assert_eq!(default_ids(Convention::Before, 4), vec![1, 2, 4]);
+    }
+}

@@ -1,0 +1,369 @@
+//! Token attribution: which rows of a step's flattened batch belong to which request, and which of
+//! them are prompt tokens to capture.
+//!
+//! A step schedules `n_r` consecutive tokens for each request `r`, starting at the request's
+//! position `num_computed_tokens`; the model runner lays the requests out one after another in an
+//! order of its own. Rows at positions below the prompt length are prompt tokens; the rest are
+//! decode tokens and are not captured.
+//!
+//! Invariants kept by [`Tracker`]:
+//! - a request's captured rows are always the contiguous prefix `0..captured` of its prompt;
+//! - chunked prefill continues a request where the previous step stopped;
+//! - a request scheduled again from an earlier position (preemption, recompute) starts over from that
+//!   position: rows from there on are replaced, never duplicated;
+//! - a request whose prompt was complete is never captured again (recomputation after emission is
+//!   ignored), so no sample is emitted twice;
+//! - a request that would skip prompt tokens (prefix caching) is refused with an explained error,
+//!   since the skipped tokens' states are never computed.
+
+use std::collections::{HashMap, HashSet};
+
+use crate::{bail, ensure, error::CoreResult};
+use hscapture_kernels::RowRun;
+
+/// How a finished sample is named: by its index in the input (`hs_{i}`) or by vLLM's request id.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum SampleKey {
+    Index(u64),
+    Request(String),
+}
+
+impl std::fmt::Display for SampleKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SampleKey::Index(i) => write!(f, "sample {i}"),
+            SampleKey::Request(r) => write!(f, "request {r:?}"),
+        }
+    }
+}
+
+/// A request the scheduler sends for the first time (or again, in some vLLM versions, after
+/// preemption).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewRequest {
+    pub req_id: String,
+    pub prompt_token_ids: Vec<i64>,
+    pub num_computed_tokens: usize,
+    /// The sample index the driver attached to the request, if any.
+    pub sample: Option<u64>,
+}
+
+/// A request the model runner already knows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CachedRequest {
+    pub req_id: String,
+    pub num_computed_tokens: usize,
+    pub resumed: bool,
+}
+
+/// What hscapture needs of one step's scheduler output.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepInput {
+    pub new_requests: Vec<NewRequest>,
+    pub cached_requests: Vec<CachedRequest>,
+    /// `(req_id, tokens scheduled this step)`.
+    pub num_scheduled: Vec<(String, usize)>,
+    pub total_tokens: usize,
+    pub finished: Vec<String>,
+    pub preempted: Vec<String>,
+}
+
+/// Rows `src_row..src_row+len` of the step are prompt positions `dst_pos..dst_pos+len` of
+/// `req_id`; the step's captured rows are stored at `arena_row..arena_row+len`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Segment {
+    pub req_id: String,
+    pub src_row: usize,
+    pub arena_row: usize,
+    pub dst_pos: usize,
+    pub len: usize,
+}
+
+/// The attribution of one step.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepPlan {
+    pub step: u64,
+    pub total_tokens: usize,
+    pub arena_rows: usize,
+    pub segments: Vec<Segment>,
+}
+
+impl StepPlan {
+    /// The row copies the capture kernel performs for this step.
+    pub fn runs(&self) -> Vec<RowRun> {
+        self.segments.iter().map(|s| RowRun { src_row: s.src_row, dst_row: s.arena_row, len: s.len }).collect()
+    }
+}
+
+/// What happened to a request when a step was committed or announced.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// All prompt rows are captured; the sample can be assembled.
+    Completed { req_id: String, sample: SampleKey, token_ids: Vec<i64> },
+    /// The request finished or was aborted before its prompt was complete; its rows are dropped.
+    Aborted { req_id: String, sample: SampleKey, captured: usize, prompt_len: usize },
+}
+
+#[derive(Debug)]
+struct Track {
+    sample: SampleKey,
+    token_ids: Vec<i64>,
+    prompt_len: usize,
+    captured: usize,
+    done: bool,
+}
+
+#[derive(Debug)]
+struct Pending {
+    /// req_id -> (start position, tokens scheduled, prompt rows to capture)
+    sched: HashMap<String, (usize, usize, usize)>,
+    total_tokens: usize,
+    plan: Option<StepPlan>,
+}
+
+/// Per-request capture progress across steps.
+#[derive(Debug, Default)]
+pub struct Tracker {
+    reqs: HashMap<String, Track>,
+    pending: Option<Pending>,
+    step: u64,
+}
+
+impl Tracker {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Number of steps begun so far.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Requests known and not finished.
+    pub fn live_requests(&self) -> usize {
+        self.reqs.len()
+    }
+
+    /// Prompt rows captured so far for `req_id` (None if unknown).
+    pub fn captured(&self, req_id: &str) -> Option<usize> {
+        self.reqs.get(req_id).map(|t| t.captured)
+    }
+
+    /// Prompt length of `req_id` (None if unknown).
+    pub fn prompt_len(&self, req_id: &str) -> Option<usize> {
+        self.reqs.get(req_id).map(|t| t.prompt_len)
+    }
+
+    /// The sample key of `req_id` (None if unknown).
+    pub fn sample(&self, req_id: &str) -> Option<&SampleKey> {
+        self.reqs.get(req_id).map(|t| &t.sample)
+    }
+
+    /// Applies a step's scheduler output: retires finished requests, registers new ones and decides
+    /// which prompt rows each scheduled request contributes. Returns the requests aborted before
+    /// their prompt was complete.
+    pub fn begin_step(&mut self, input: StepInput) -> CoreResult<Vec<Event>> {
+        ensure!(
+            self.pending.is_none(),
+            Attribution,
+            "step {} began before step {} was ended; every begun step must be ended (the previous forward \
+             probably failed)",
+            self.step + 1,
+            self.step
+        );
+        self.step += 1;
+        let mut events = Vec::new();
+        for id in &input.finished {
+            if let Some(t) = self.reqs.remove(id) {
+                if !t.done {
+                    events.push(Event::Aborted {
+                        req_id: id.clone(),
+                        sample: t.sample,
+                        captured: t.captured,
+                        prompt_len: t.prompt_len,
+                    });
+                }
+            }
+        }
+        let mut starts: HashMap<&str, usize> = HashMap::new();
+        for r in &input.new_requests {
+            ensure!(
+                !r.prompt_token_ids.is_empty(),
+                ShapeContract,
+                "request {:?} has an empty prompt: there are no prompt tokens whose hidden states could be \
+                 captured; drop empty prompts from the input",
+                r.req_id
+            );
+            if let Some(t) = self.reqs.get(&r.req_id) {
+                ensure!(
+                    t.prompt_len == r.prompt_token_ids.len(),
+                    Attribution,
+                    "request {:?} was announced again with a {}-token prompt, it had {} tokens before; request \
+                     ids must not be reused while a request is live",
+                    r.req_id,
+                    r.prompt_token_ids.len(),
+                    t.prompt_len
+                );
+            } else {
+                let sample = r.sample.map(SampleKey::Index).unwrap_or_else(|| SampleKey::Request(r.req_id.clone()));
+                self.reqs.insert(
+                    r.req_id.clone(),
+                    Track {
+                        sample,
+                        token_ids: r.prompt_token_ids.clone(),
+                        prompt_len: r.prompt_token_ids.len(),
+                        captured: 0,
+                        done: false,
+                    },
+                );
+            }
+            starts.insert(&r.req_id, r.num_computed_tokens);
+        }
+        for r in &input.cached_requests {
+            starts.insert(&r.req_id, r.num_computed_tokens);
+        }
+        let mut sched = HashMap::with_capacity(input.num_scheduled.len());
+        let mut sum = 0usize;
+        for (id, n) in &input.num_scheduled {
+            sum += n;
+            let Some(&start) = starts.get(id.as_str()) else {
+                bail!(
+                    Attribution,
+                    "step {}: request {id:?} has {n} scheduled tokens but is neither a new nor a cached request \
+                     of the step, so its position is unknown",
+                    self.step
+                );
+            };
+            let Some(t) = self.reqs.get_mut(id) else {
+                bail!(
+                    Attribution,
+                    "step {}: request {id:?} is scheduled but its prompt was never announced to hscapture (was the \
+                     capture set up after the request started?)",
+                    self.step
+                );
+            };
+            let cap = if t.done || start >= t.prompt_len {
+                0
+            } else {
+                ensure!(
+                    start <= t.captured,
+                    Attribution,
+                    "step {}: {} ({id:?}) resumes at prompt position {start} but only positions 0..{} were computed \
+                     and captured: the scheduler skipped prompt tokens (prefix caching or a KV-cache transfer), \
+                     whose hidden states are never computed; disable prefix caching (`enable_prefix_caching=False`, \
+                     `--no-enable-prefix-caching`)",
+                    self.step,
+                    t.sample,
+                    t.captured
+                );
+                // Recompute from an earlier position: rows from `start` on are captured again.
+                t.captured = start;
+                (*n).min(t.prompt_len - start)
+            };
+            ensure!(
+                sched.insert(id.clone(), (start, *n, cap)).is_none(),
+                Attribution,
+                "step {}: request {id:?} is scheduled twice",
+                self.step
+            );
+        }
+        ensure!(
+            sum == input.total_tokens,
+            Attribution,
+            "step {}: scheduled tokens per request add up to {sum}, the step reports {} in total",
+            self.step,
+            input.total_tokens
+        );
+        self.pending = Some(Pending { sched, total_tokens: input.total_tokens, plan: None });
+        Ok(events)
+    }
+
+    /// Lays out the step in the order the model runner used (`order` = request ids, each owning
+    /// its scheduled tokens consecutively) and returns the plan.
+    pub fn plan(&mut self, order: &[String]) -> CoreResult<&StepPlan> {
+        let step = self.step;
+        let Some(p) = self.pending.as_mut() else {
+            bail!(Attribution, "no step is in progress: the step plan is asked for outside a step");
+        };
+        ensure!(
+            order.len() == p.sched.len(),
+            Attribution,
+            "step {step}: the model runner ordered {} requests, the scheduler scheduled {}",
+            order.len(),
+            p.sched.len()
+        );
+        let mut seen = HashSet::with_capacity(order.len());
+        let mut segments = Vec::new();
+        let (mut src, mut arena) = (0usize, 0usize);
+        for id in order {
+            ensure!(seen.insert(id.as_str()), Attribution, "step {step}: request {id:?} appears twice in the runner's order");
+            let Some(&(start, n, cap)) = p.sched.get(id) else {
+                bail!(Attribution, "step {step}: the runner's order names request {id:?}, which the scheduler did not schedule");
+            };
+            if cap > 0 {
+                segments.push(Segment { req_id: id.clone(), src_row: src, arena_row: arena, dst_pos: start, len: cap });
+                arena += cap;
+            }
+            src += n;
+        }
+        p.plan = Some(StepPlan { step, total_tokens: p.total_tokens, arena_rows: arena, segments });
+        match &p.plan {
+            Some(plan) => Ok(plan),
+            None => bail!(Attribution, "step {step}: plan missing"),
+        }
+    }
+
+    /// The plan of the step in progress, if [`Tracker::plan`] was called.
+    pub fn current_plan(&self) -> Option<&StepPlan> {
+        self.pending.as_ref().and_then(|p| p.plan.as_ref())
+    }
+
+    /// Whether a step is in progress.
+    pub fn in_step(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    /// Ends the step: advances every request by the rows captured and reports those whose prompt is
+    /// now complete. A step whose plan was never made (no forward ran) must capture nothing.
+    pub fn commit(&mut self) -> CoreResult<Vec<Event>> {
+        let step = self.step;
+        let Some(p) = self.pending.take() else {
+            bail!(Attribution, "no step is in progress: a step was ended twice");
+        };
+        let Some(plan) = p.plan else {
+            let rows: usize = p.sched.values().map(|&(_, _, c)| c).sum();
+            ensure!(
+                rows == 0,
+                Attribution,
+                "step {step}: {rows} prompt tokens were scheduled but no decoder layer ran (no capture hook fired); \
+                 the model's forward did not pass through the hooked layers"
+            );
+            return Ok(Vec::new());
+        };
+        let mut events = Vec::new();
+        for s in &plan.segments {
+            let Some(t) = self.reqs.get_mut(&s.req_id) else {
+                bail!(Attribution, "step {step}: request {:?} vanished during the step", s.req_id);
+            };
+            t.captured = s.dst_pos + s.len;
+            if t.captured == t.prompt_len {
+                t.done = true;
+                events.push(Event::Completed {
+                    req_id: s.req_id.clone(),
+                    sample: t.sample.clone(),
+                    token_ids: std::mem::take(&mut t.token_ids),
+                });
+            }
+        }
+        Ok(events)
+    }
+
+    /// Abandons the step in progress (its forward failed); captured progress is unchanged.
+    pub fn abandon(&mut self) {
+        self.pending = None;
+    }
+}
+
+#[cfg(test)]
+#[path = "plan_tests.rs"]
+mod tests;

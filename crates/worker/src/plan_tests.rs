@@ -1,0 +1,168 @@
+use super::*;
+
+fn new(id: &str, len: usize, computed: usize, sample: Option<u64>) -> NewRequest {
+    NewRequest {
+        req_id: id.into(),
+        prompt_token_ids: (0..len as i64).map(|x| 100 + x).collect(),
+        num_computed_tokens: computed,
+        sample,
+    }
+}
+
+fn cached(id: &str, computed: usize) -> CachedRequest {
+    CachedRequest { req_id: id.into(), num_computed_tokens: computed, resumed: false }
+}
+
+fn step(new_reqs: Vec<NewRequest>, cached_reqs: Vec<CachedRequest>, sched: &[(&str, usize)]) -> StepInput {
+    StepInput {
+        new_requests: new_reqs,
+        cached_requests: cached_reqs,
+        num_scheduled: sched.iter().map(|(i, n)| (i.to_string(), *n)).collect(),
+        total_tokens: sched.iter().map(|(_, n)| n).sum(),
+        finished: vec![],
+        preempted: vec![],
+    }
+}
+
+fn ids(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+fn completed(ev: &[Event]) -> Vec<(String, SampleKey, usize)> {
+    ev.iter()
+        .filter_map(|e| match e {
+            Event::Completed { req_id, sample, token_ids } => Some((req_id.clone(), sample.clone(), token_ids.len())),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn whole_prompts_in_one_step_follow_the_runner_order() {
+    let mut t = Tracker::new();
+    t.begin_step(step(vec![new("a", 3, 0, Some(0)), new("b", 2, 0, Some(1))], vec![], &[("a", 3), ("b", 2)])).unwrap();
+    // The runner put b first.
+    let plan = t.plan(&ids(&["b", "a"])).unwrap().clone();
+    assert_eq!(
+        plan.segments,
+        vec![
+            Segment { req_id: "b".into(), src_row: 0, arena_row: 0, dst_pos: 0, len: 2 },
+            Segment { req_id: "a".into(), src_row: 2, arena_row: 2, dst_pos: 0, len: 3 },
+        ]
+    );
+    let ev = t.commit().unwrap();
+    assert_eq!(completed(&ev), vec![("b".into(), SampleKey::Index(1), 2), ("a".into(), SampleKey::Index(0), 3)]);
+}
+
+#[test]
+fn chunked_prefill_continues_across_steps_next_to_decodes() {
+    let mut t = Tracker::new();
+    // Step 1: a (len 2) whole, b (len 7) first chunk of 3.
+    t.begin_step(step(vec![new("a", 2, 0, None), new("b", 7, 0, None)], vec![], &[("a", 2), ("b", 3)])).unwrap();
+    t.plan(&ids(&["a", "b"])).unwrap();
+    assert_eq!(completed(&t.commit().unwrap()).len(), 1);
+    // Step 2: a decodes one token (position 2 >= prompt 2: not captured), b continues at 3 for 3.
+    t.begin_step(step(vec![], vec![cached("a", 2), cached("b", 3)], &[("a", 1), ("b", 3)])).unwrap();
+    let plan = t.plan(&ids(&["a", "b"])).unwrap().clone();
+    assert_eq!(plan.segments, vec![Segment { req_id: "b".into(), src_row: 1, arena_row: 0, dst_pos: 3, len: 3 }]);
+    assert!(t.commit().unwrap().is_empty());
+    assert_eq!(t.captured("b"), Some(6));
+    // Step 3: the last prompt token of b plus... the scheduler gives 2 tokens; only 1 is prompt.
+    t.begin_step(step(vec![], vec![cached("b", 6)], &[("b", 1)])).unwrap();
+    let plan = t.plan(&ids(&["b"])).unwrap().clone();
+    assert_eq!(plan.arena_rows, 1);
+    let ev = t.commit().unwrap();
+    assert_eq!(completed(&ev), vec![("b".into(), SampleKey::Request("b".into()), 7)]);
+}
+
+#[test]
+fn preempted_mid_prefill_starts_over_without_duplicates() {
+    let mut t = Tracker::new();
+    t.begin_step(step(vec![new("a", 8, 0, Some(4))], vec![], &[("a", 4)])).unwrap();
+    t.plan(&ids(&["a"])).unwrap();
+    t.commit().unwrap();
+    assert_eq!(t.captured("a"), Some(4));
+    // Preempted; comes back from position 0 and recomputes everything.
+    let mut s = step(vec![], vec![CachedRequest { req_id: "a".into(), num_computed_tokens: 0, resumed: true }], &[("a", 8)]);
+    s.preempted = vec![];
+    t.begin_step(s).unwrap();
+    let plan = t.plan(&ids(&["a"])).unwrap().clone();
+    assert_eq!(plan.segments, vec![Segment { req_id: "a".into(), src_row: 0, arena_row: 0, dst_pos: 0, len: 8 }]);
+    let ev = t.commit().unwrap();
+    assert_eq!(completed(&ev), vec![("a".into(), SampleKey::Index(4), 8)]);
+}
+
+#[test]
+fn recompute_after_completion_is_ignored() {
+    let mut t = Tracker::new();
+    t.begin_step(step(vec![new("a", 3, 0, None)], vec![], &[("a", 3)])).unwrap();
+    t.plan(&ids(&["a"])).unwrap();
+    assert_eq!(completed(&t.commit().unwrap()).len(), 1);
+    // Preempted during decode and recomputed: prompt + 2 output tokens.
+    t.begin_step(step(vec![], vec![CachedRequest { req_id: "a".into(), num_computed_tokens: 0, resumed: true }], &[("a", 5)]))
+        .unwrap();
+    assert_eq!(t.plan(&ids(&["a"])).unwrap().arena_rows, 0);
+    assert!(t.commit().unwrap().is_empty(), "a completed sample must not be emitted twice");
+}
+
+#[test]
+fn skipped_prompt_tokens_are_refused() {
+    let mut t = Tracker::new();
+    let e = t.begin_step(step(vec![new("a", 10, 4, Some(2))], vec![], &[("a", 6)])).unwrap_err();
+    assert_eq!(e.kind, crate::error::ErrorKind::Attribution);
+    assert!(e.message.contains("prefix caching") && e.message.contains("sample 2"), "{e}");
+}
+
+#[test]
+fn abort_mid_prefill_drops_the_request() {
+    let mut t = Tracker::new();
+    t.begin_step(step(vec![new("a", 10, 0, Some(7))], vec![], &[("a", 4)])).unwrap();
+    t.plan(&ids(&["a"])).unwrap();
+    t.commit().unwrap();
+    let mut s = step(vec![], vec![], &[]);
+    s.finished = vec!["a".into()];
+    let ev = t.begin_step(s).unwrap();
+    assert_eq!(ev, vec![Event::Aborted { req_id: "a".into(), sample: SampleKey::Index(7), captured: 4, prompt_len: 10 }]);
+    t.commit().unwrap();
+    assert_eq!(t.live_requests(), 0);
+}
+
+#[test]
+fn inconsistent_steps_are_refused() {
+    let mut t = Tracker::new();
+    let e = t.begin_step(step(vec![], vec![], &[("ghost", 3)])).unwrap_err();
+    assert!(e.message.contains("neither a new nor a cached"), "{e}");
+
+    let mut t = Tracker::new();
+    let e = t.begin_step(step(vec![], vec![cached("ghost", 0)], &[("ghost", 3)])).unwrap_err();
+    assert!(e.message.contains("never announced"), "{e}");
+
+    let mut t = Tracker::new();
+    let mut s = step(vec![new("a", 3, 0, None)], vec![], &[("a", 3)]);
+    s.total_tokens = 4;
+    assert!(t.begin_step(s).unwrap_err().message.contains("add up to 3"));
+
+    let mut t = Tracker::new();
+    t.begin_step(step(vec![new("a", 3, 0, None), new("b", 3, 0, None)], vec![], &[("a", 3), ("b", 3)])).unwrap();
+    assert!(t.plan(&ids(&["a"])).is_err());
+    assert!(t.plan(&ids(&["a", "a"])).is_err());
+    assert!(t.plan(&ids(&["a", "c"])).is_err());
+    assert!(t.plan(&ids(&["b", "a"])).is_ok());
+
+    let mut t = Tracker::new();
+    t.begin_step(step(vec![new("a", 3, 0, None)], vec![], &[("a", 3)])).unwrap();
+    let e = t.commit().unwrap_err();
+    assert!(e.message.contains("no decoder layer ran"), "{e}");
+
+    let mut t = Tracker::new();
+    assert!(t.begin_step(step(vec![new("e", 0, 0, None)], vec![], &[])).unwrap_err().message.contains("empty prompt"));
+}
+
+#[test]
+fn a_step_must_end_before_the_next_begins() {
+    let mut t = Tracker::new();
+    t.begin_step(step(vec![new("a", 3, 0, None)], vec![], &[("a", 3)])).unwrap();
+    assert!(t.begin_step(step(vec![], vec![], &[])).is_err());
+    t.abandon();
+    assert!(t.begin_step(step(vec![], vec![cached("a", 0)], &[("a", 3)])).is_ok());
+}

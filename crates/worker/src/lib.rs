@@ -1,10 +1,21 @@
 //! hscapture's core. Everything that decides — token attribution, the shape contract, the cross-rank
 //! check, assembly and the writer — is plain Rust here and tests without Python; the PyO3 module
-//! `hscapture._native` (feature `python`) is a thin layer in [`py`].
+//! `hscapture._native` (feature `python`) is a thin layer in `py`.
 
+pub mod arena;
+pub mod atomic;
 pub mod error;
 pub mod layers;
+pub mod manifest;
 pub mod plan;
+pub mod ranks;
+pub mod safetensors_io;
+pub mod sample;
+pub mod session;
 pub mod tensor;
+pub mod writer;
+
+#[cfg(feature = "python")]
+mod py;
 
 pub use error::{CoreError, CoreResult, ErrorKind};

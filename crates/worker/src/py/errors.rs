@@ -1,0 +1,64 @@
+//! The exception tree, re-exported by the `hscapture` package:
+//! `HscaptureError` ← `ConfigError`, `ShapeContractError` (← `NonFiniteError`), `AttributionError`,
+//! `RankMismatchError`, `OutputError`, `CompatibilityError`.
+
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::{create_exception, PyErr};
+
+use crate::error::{CoreError, ErrorKind};
+
+create_exception!(hscapture._native, HscaptureError, PyException, "Base class of every error hscapture raises.");
+create_exception!(hscapture._native, ConfigError, HscaptureError, "Invalid configuration (layer ids, convention, output, options).");
+create_exception!(hscapture._native, ShapeContractError, HscaptureError, "A captured tensor or sample breaks the shape contract.");
+create_exception!(hscapture._native, NonFiniteError, ShapeContractError, "Captured hidden states contain NaN or Inf.");
+create_exception!(hscapture._native, AttributionError, HscaptureError, "Tokens cannot be attributed to requests consistently.");
+create_exception!(hscapture._native, RankMismatchError, HscaptureError, "Tensor-parallel ranks captured different values for replicated states.");
+create_exception!(hscapture._native, OutputError, HscaptureError, "Writing or reading output files failed.");
+create_exception!(hscapture._native, CompatibilityError, HscaptureError, "The running vLLM, model or machine lacks something hscapture needs.");
+
+impl From<CoreError> for PyErr {
+    fn from(e: CoreError) -> PyErr {
+        let m = e.message;
+        match e.kind {
+            ErrorKind::Config => ConfigError::new_err(m),
+            ErrorKind::ShapeContract => ShapeContractError::new_err(m),
+            ErrorKind::NonFinite => NonFiniteError::new_err(m),
+            ErrorKind::Attribution => AttributionError::new_err(m),
+            ErrorKind::RankMismatch => RankMismatchError::new_err(m),
+            ErrorKind::Output => OutputError::new_err(m),
+            ErrorKind::Compatibility => CompatibilityError::new_err(m),
+        }
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("HscaptureError", py.get_type::<HscaptureError>())?;
+    m.add("ConfigError", py.get_type::<ConfigError>())?;
+    m.add("ShapeContractError", py.get_type::<ShapeContractError>())?;
+    m.add("NonFiniteError", py.get_type::<NonFiniteError>())?;
+    m.add("AttributionError", py.get_type::<AttributionError>())?;
+    m.add("RankMismatchError", py.get_type::<RankMismatchError>())?;
+    m.add("OutputError", py.get_type::<OutputError>())?;
+    m.add("CompatibilityError", py.get_type::<CompatibilityError>())?;
+    Ok(())
+}
+
+/// Runs `f`, turning a Rust panic (a bug) into a typed `HscaptureError` instead of a `BaseException`
+/// that vLLM's `except Exception` would miss.
+pub fn guard<T>(what: &str, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(HscaptureError::new_err(format!(
+                "internal error in {what}: {msg}; this is a bug in hscapture, please report it with the command that caused it"
+            )))
+        }
+    }
+}

@@ -1,0 +1,17 @@
+//! The PyO3 module `hscapture._native`: thin wrappers over the core, split by domain.
+
+use pyo3::prelude::*;
+
+mod errors;
+mod functions;
+mod session;
+mod tensor;
+
+#[pymodule(gil_used = false)]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    errors::register(m)?;
+    functions::register(m)?;
+    m.add_class::<session::CaptureSession>()?;
+    Ok(())
+}

@@ -1,0 +1,261 @@
+//! `CaptureSession`: one worker's capture state, driven by the Python worker once per step.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+use super::errors::guard;
+use super::tensor::{parse_dtype, to_desc, PyTensorDesc};
+use crate::layers::{CapturePoint, Convention, LayerPlan};
+use crate::plan::{CachedRequest, NewRequest, SampleKey, StepInput};
+use crate::ranks::verify_replicated;
+use crate::sample::Sample;
+use crate::session::{Session, SessionConfig};
+use crate::writer::{SampleRecord, Writer, WriterConfig};
+
+type NewReqTuple = (String, Vec<i64>, usize, Option<u64>);
+type CachedReqTuple = (String, usize, bool);
+
+#[pyclass(module = "hscapture._native")]
+pub struct CaptureSession {
+    inner: Session,
+    writer: Option<Writer>,
+    samples: Vec<Sample>,
+    aborted: Vec<(String, String, usize, usize)>,
+}
+
+fn record_dict<'py>(py: Python<'py>, r: &SampleRecord) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("index", r.index)?;
+    d.set_item("request_id", r.request_id.clone())?;
+    d.set_item("file", &r.file)?;
+    d.set_item("length", r.length)?;
+    d.set_item("checksum", &r.checksum)?;
+    d.set_item("bytes", r.bytes)?;
+    Ok(d)
+}
+
+fn key_str(k: &SampleKey) -> String {
+    match k {
+        SampleKey::Index(i) => i.to_string(),
+        SampleKey::Request(r) => r.clone(),
+    }
+}
+
+#[pymethods]
+impl CaptureSession {
+    /// `out_dir=None` keeps completed samples in memory for `take_samples()`; otherwise they are
+    /// written to `out_dir/hidden_states/` by `writer_threads` threads.
+    #[new]
+    #[pyo3(signature = (layer_ids, convention, num_hidden_layers, hidden_size, model_dtype, out_dtype, assemble, out_dir=None, writer_threads=2, writer_queue=8, durable=true, metadata=HashMap::new()))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        layer_ids: Vec<i64>,
+        convention: &str,
+        num_hidden_layers: usize,
+        hidden_size: usize,
+        model_dtype: &str,
+        out_dtype: &str,
+        assemble: bool,
+        out_dir: Option<PathBuf>,
+        writer_threads: usize,
+        writer_queue: usize,
+        durable: bool,
+        metadata: HashMap<String, String>,
+    ) -> PyResult<Self> {
+        guard("CaptureSession()", || {
+            let layers = LayerPlan::new(&layer_ids, Convention::parse(convention)?, num_hidden_layers)?;
+            let cfg = SessionConfig {
+                layers,
+                hidden_size,
+                model_dtype: parse_dtype(model_dtype, "model dtype")?,
+                out_dtype: parse_dtype(out_dtype, "output dtype")?,
+                assemble,
+            };
+            let writer = match (assemble, out_dir) {
+                (true, Some(root)) => Some(Writer::start(WriterConfig { root, threads: writer_threads, queue: writer_queue, durable, metadata })?),
+                _ => None,
+            };
+            Ok(CaptureSession { inner: Session::new(cfg)?, writer, samples: Vec::new(), aborted: Vec::new() })
+        })
+    }
+
+    /// Capture points in slot order: `("embeddings", 0)` or `("layer_output", k)`.
+    fn capture_points(&self) -> Vec<(&'static str, usize)> {
+        self.inner
+            .config()
+            .layers
+            .points()
+            .into_iter()
+            .map(|p| match p {
+                CapturePoint::Embeddings => ("embeddings", 0),
+                CapturePoint::LayerOutput(k) => ("layer_output", k),
+            })
+            .collect()
+    }
+
+    #[getter]
+    fn layer_ids(&self) -> Vec<usize> {
+        self.inner.config().layers.ids.clone()
+    }
+
+    #[getter]
+    fn in_step(&self) -> bool {
+        self.inner.in_step()
+    }
+
+    #[getter]
+    fn planned(&self) -> bool {
+        self.inner.planned()
+    }
+
+    /// Registers a step's scheduler output.
+    #[pyo3(signature = (new_requests, cached_requests, scheduled, total_tokens, finished, preempted))]
+    fn begin_step(
+        &mut self,
+        new_requests: Vec<NewReqTuple>,
+        cached_requests: Vec<CachedReqTuple>,
+        scheduled: Vec<(String, usize)>,
+        total_tokens: usize,
+        finished: Vec<String>,
+        preempted: Vec<String>,
+    ) -> PyResult<()> {
+        guard("begin_step", || {
+            let input = StepInput {
+                new_requests: new_requests
+                    .into_iter()
+                    .map(|(req_id, prompt_token_ids, num_computed_tokens, sample)| NewRequest { req_id, prompt_token_ids, num_computed_tokens, sample })
+                    .collect(),
+                cached_requests: cached_requests
+                    .into_iter()
+                    .map(|(req_id, num_computed_tokens, resumed)| CachedRequest { req_id, num_computed_tokens, resumed })
+                    .collect(),
+                num_scheduled: scheduled,
+                total_tokens,
+                finished,
+                preempted,
+            };
+            Ok(self.inner.begin_step(input)?)
+        })
+    }
+
+    /// Fixes the step's layout from the runner's request order; returns the number of prompt rows.
+    fn plan(&mut self, order: Vec<String>) -> PyResult<usize> {
+        guard("plan", || Ok(self.inner.plan(&order)?.arena_rows))
+    }
+
+    /// Captures slot `slot` from a layer's hidden states (+ residual). The caller keeps both tensors
+    /// alive and unmodified until this returns.
+    #[pyo3(signature = (slot, hidden, residual=None))]
+    fn capture(&mut self, py: Python<'_>, slot: usize, hidden: PyTensorDesc, residual: Option<PyTensorDesc>) -> PyResult<()> {
+        guard("capture", || {
+            let h = to_desc(hidden, "hidden states")?;
+            let r = residual.map(|r| to_desc(r, "residual")).transpose()?;
+            let inner = &mut self.inner;
+            // SAFETY: the Python caller holds references to both tensors for the whole call (the
+            // documented contract of this method), so the memory stays alive; vLLM's forward is
+            // paused inside the hook, so nothing writes to it while the GIL is released.
+            py.detach(|| unsafe { inner.capture(slot, &h, r.as_ref()) })?;
+            Ok(())
+        })
+    }
+
+    /// Ends the step. Returns `(step, checksum_as_i64, rows, completed)`.
+    fn end_step(&mut self, py: Python<'_>) -> PyResult<(u64, i64, usize, usize)> {
+        guard("end_step", || {
+            let (inner, writer) = (&mut self.inner, &self.writer);
+            let (out, completed_now) = py.detach(|| -> crate::CoreResult<_> {
+                let mut out = inner.end_step()?;
+                let n = out.completed.len();
+                if let Some(w) = writer {
+                    for s in out.completed.drain(..) {
+                        w.submit(s)?;
+                    }
+                }
+                Ok((out, n))
+            })?;
+            for a in &out.aborted {
+                self.aborted.push((a.req_id.clone(), key_str(&a.sample), a.captured, a.prompt_len));
+            }
+            self.samples.extend(out.completed);
+            Ok((out.step, out.checksum as i64, out.rows, completed_now))
+        })
+    }
+
+    /// Drops the step in progress (its forward failed).
+    fn abandon_step(&mut self) {
+        self.inner.abandon_step();
+    }
+
+    /// Compares the step checksums gathered from every rank of a group (index = group rank).
+    #[staticmethod]
+    fn verify_ranks(step: u64, what: &str, checksums: Vec<i64>) -> PyResult<()> {
+        let c: Vec<u64> = checksums.into_iter().map(|x| x as u64).collect();
+        Ok(verify_replicated(step, what, &c)?)
+    }
+
+    /// Completed samples kept in memory (sessions without an output directory), removed from the
+    /// session: dicts with `sample`, `request_id`, `token_ids`, `shape`, `dtype`, `data` (bytes).
+    fn take_samples<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        for s in self.samples.drain(..) {
+            let d = PyDict::new(py);
+            match &s.key {
+                SampleKey::Index(i) => d.set_item("sample", *i)?,
+                SampleKey::Request(_) => d.set_item("sample", py.None())?,
+            }
+            d.set_item("request_id", &s.req_id)?;
+            d.set_item("token_ids", &s.token_ids)?;
+            d.set_item("shape", s.shape().to_vec())?;
+            d.set_item("dtype", s.dtype.torch_name())?;
+            d.set_item("data", PyBytes::new(py, &s.data))?;
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
+    /// Requests that ended before their prompt was complete: `(request_id, sample, captured, prompt_len)`.
+    fn take_aborted(&mut self) -> Vec<(String, String, usize, usize)> {
+        std::mem::take(&mut self.aborted)
+    }
+
+    /// Records of files written so far (removed from the session).
+    fn take_records<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        if let Some(w) = &self.writer {
+            w.poll()?;
+            for r in w.take_records() {
+                out.append(record_dict(py, &r)?)?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Waits for the writer to finish every queued sample; returns the records not yet taken.
+    fn finish<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let recs = match self.writer.as_mut() {
+            Some(w) => py.detach(|| w.finish())?,
+            None => Vec::new(),
+        };
+        let out = PyList::empty(py);
+        for r in &recs {
+            out.append(record_dict(py, r)?)?;
+        }
+        Ok(out)
+    }
+
+    /// Running totals: steps, rows, samples, aborted, live_requests, held_bytes.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        d.set_item("steps", s.steps)?;
+        d.set_item("rows", s.rows)?;
+        d.set_item("samples", s.samples)?;
+        d.set_item("aborted", s.aborted)?;
+        d.set_item("live_requests", self.inner.tracker().live_requests())?;
+        d.set_item("held_bytes", self.inner.held_bytes())?;
+        Ok(d)
+    }
+}

@@ -1,0 +1,149 @@
+//! Sample files in the layout speculators' training reads: `hidden_states` `[L, n_layers, H]` and
+//! `token_ids` int64 `[L]`, written with the `safetensors` crate's header types and without copying
+//! the tensor data.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::Path;
+
+use safetensors::tensor::{Metadata, TensorInfo};
+use safetensors::{Dtype, SafeTensors};
+
+use crate::atomic::write_atomic;
+use crate::sample::{content_checksum, Sample};
+use crate::{core_err, ensure, error::CoreResult};
+use hscapture_kernels::DType;
+
+pub fn st_dtype(d: DType) -> Dtype {
+    match d {
+        DType::F32 => Dtype::F32,
+        DType::BF16 => Dtype::BF16,
+        DType::F16 => Dtype::F16,
+    }
+}
+
+/// Header bytes (length prefix excluded), padded with spaces to a multiple of 8.
+fn header(sample: &Sample, metadata: &HashMap<String, String>) -> CoreResult<Vec<u8>> {
+    let tok_len = sample.token_ids.len() * 8;
+    let infos = vec![
+        ("token_ids".to_string(), TensorInfo { dtype: Dtype::I64, shape: vec![sample.token_ids.len()], data_offsets: (0, tok_len) }),
+        (
+            "hidden_states".to_string(),
+            TensorInfo {
+                dtype: st_dtype(sample.dtype),
+                shape: sample.shape().to_vec(),
+                data_offsets: (tok_len, tok_len + sample.data.len()),
+            },
+        ),
+    ];
+    let meta = if metadata.is_empty() { None } else { Some(metadata.clone()) };
+    let m = Metadata::new(meta, infos).map_err(|e| core_err!(Output, "cannot build the safetensors header: {e}"))?;
+    let mut buf = serde_json::to_vec(&m).map_err(|e| core_err!(Output, "cannot encode the safetensors header: {e}"))?;
+    buf.resize(buf.len().next_multiple_of(8), b' ');
+    Ok(buf)
+}
+
+/// Writes `sample` to `path` atomically; returns the file size.
+pub fn write_sample_file(path: &Path, sample: &Sample, metadata: &HashMap<String, String>, durable: bool) -> CoreResult<u64> {
+    let [rows, slots, width] = sample.shape();
+    ensure!(
+        sample.data.len() == rows * slots * width * sample.dtype.size() && sample.token_ids.len() == rows,
+        ShapeContract,
+        "{}: data of {} bytes and {} token ids do not make a [{rows}, {slots}, {width}] {} sample",
+        sample.key,
+        sample.data.len(),
+        sample.token_ids.len(),
+        sample.dtype
+    );
+    let head = header(sample, metadata)?;
+    write_atomic(path, durable, |w| {
+        w.write_all(&(head.len() as u64).to_le_bytes())?;
+        w.write_all(&head)?;
+        for t in &sample.token_ids {
+            w.write_all(&t.to_le_bytes())?;
+        }
+        w.write_all(&sample.data)
+    })
+}
+
+/// A sample file read back.
+#[derive(Debug)]
+pub struct LoadedSample {
+    pub token_ids: Vec<i64>,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    pub data: Vec<u8>,
+    pub checksum: String,
+    pub metadata: HashMap<String, String>,
+}
+
+/// Reads a sample file and checks its two tensors' dtypes and shapes agree.
+pub fn read_sample_file(path: &Path) -> CoreResult<LoadedSample> {
+    let bytes = std::fs::read(path).map_err(|e| core_err!(Output, "cannot read {}: {e}", path.display()))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
+        core_err!(Output, "{} is not a valid safetensors file ({e}); it may be truncated: delete it and re-run to recapture", path.display())
+    })?;
+    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| core_err!(Output, "{}: {e}", path.display()))?;
+    let hs = st.tensor("hidden_states").map_err(|e| core_err!(Output, "{}: no `hidden_states` tensor ({e})", path.display()))?;
+    let ti = st.tensor("token_ids").map_err(|e| core_err!(Output, "{}: no `token_ids` tensor ({e})", path.display()))?;
+    ensure!(ti.dtype() == Dtype::I64, Output, "{}: `token_ids` is {:?}, expected I64", path.display(), ti.dtype());
+    let dtype = match hs.dtype() {
+        Dtype::F32 => DType::F32,
+        Dtype::BF16 => DType::BF16,
+        Dtype::F16 => DType::F16,
+        other => return Err(core_err!(Output, "{}: `hidden_states` has dtype {other:?}, expected F32, BF16 or F16", path.display())),
+    };
+    ensure!(
+        hs.shape().len() == 3 && ti.shape().len() == 1 && hs.shape()[0] == ti.shape()[0],
+        Output,
+        "{}: `hidden_states` {:?} and `token_ids` {:?} do not form [L, n_layers, H] and [L]",
+        path.display(),
+        hs.shape(),
+        ti.shape()
+    );
+    let token_ids = ti.data().chunks_exact(8).map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect();
+    Ok(LoadedSample {
+        token_ids,
+        shape: hs.shape().to_vec(),
+        dtype,
+        checksum: content_checksum(hs.data()),
+        data: hs.data().to_vec(),
+        metadata: meta.metadata().clone().unwrap_or_default(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::SampleKey;
+
+    #[test]
+    fn round_trip() {
+        let d = tempfile::tempdir().unwrap();
+        let s = Sample {
+            key: SampleKey::Index(3),
+            req_id: "r".into(),
+            token_ids: vec![5, 6],
+            data: (0..2 * 3 * 4 * 2).map(|x| x as u8).collect(),
+            rows: 2,
+            slots: 3,
+            width: 4,
+            dtype: DType::BF16,
+        };
+        let p = d.path().join("hs_3.safetensors");
+        let meta = HashMap::from([("convention".to_string(), "after".to_string())]);
+        let n = write_sample_file(&p, &s, &meta, false).unwrap();
+        assert_eq!(n, std::fs::metadata(&p).unwrap().len());
+        let back = read_sample_file(&p).unwrap();
+        assert_eq!(back.token_ids, vec![5, 6]);
+        assert_eq!(back.shape, vec![2, 3, 4]);
+        assert_eq!(back.dtype, DType::BF16);
+        assert_eq!(back.data, s.data);
+        assert_eq!(back.checksum, content_checksum(&s.data));
+        assert_eq!(back.metadata.get("convention").map(String::as_str), Some("after"));
+        // A truncated file is reported as such.
+        let bytes = std::fs::read(&p).unwrap();
+        std::fs::write(&p, &bytes[..bytes.len() - 3]).unwrap();
+        assert!(read_sample_file(&p).unwrap_err().message.contains("truncated"));
+    }
+}

@@ -1,0 +1,205 @@
+//! The writer: a pool of threads that turn assembled samples into files.
+//!
+//! Samples go through a bounded queue: when the disk is slower than capture, `submit` blocks
+//! (backpressure) instead of letting memory grow. A failed write is kept and reported by the next
+//! `submit`, `poll` or `finish`; a panicking thread is reported, never silently lost.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{bounded, Sender};
+use serde::{Deserialize, Serialize};
+
+use crate::plan::SampleKey;
+use crate::safetensors_io::write_sample_file;
+use crate::sample::{content_checksum, Sample};
+use crate::{core_err, error::CoreError, error::CoreResult};
+
+/// Where and how samples are written.
+#[derive(Clone, Debug)]
+pub struct WriterConfig {
+    /// The output root; files go to `root/hidden_states/`.
+    pub root: PathBuf,
+    pub threads: usize,
+    /// Samples waiting to be written before `submit` blocks.
+    pub queue: usize,
+    /// fsync each file (and its directory) before it is declared done.
+    pub durable: bool,
+    /// Metadata stored in every file's safetensors header.
+    pub metadata: HashMap<String, String>,
+}
+
+/// One written sample, as the manifest records it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SampleRecord {
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub index: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub request_id: Option<String>,
+    /// Path relative to the output root.
+    pub file: String,
+    pub length: usize,
+    pub checksum: String,
+    pub bytes: u64,
+}
+
+#[derive(Default)]
+struct Shared {
+    records: Vec<SampleRecord>,
+    errors: Vec<CoreError>,
+}
+
+pub struct Writer {
+    tx: Option<Sender<Sample>>,
+    handles: Vec<JoinHandle<()>>,
+    shared: Arc<Mutex<Shared>>,
+    dir: PathBuf,
+}
+
+fn lock(m: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
+    // A poisoned lock only means a writer thread panicked while holding it; the data is still usable.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn write_one(dir: &std::path::Path, sample: &Sample, cfg_meta: &HashMap<String, String>, durable: bool) -> CoreResult<SampleRecord> {
+    let name = format!("{}.safetensors", sample.file_stem());
+    let bytes = write_sample_file(&dir.join(&name), sample, cfg_meta, durable)?;
+    let (index, request_id) = match &sample.key {
+        SampleKey::Index(i) => (Some(*i), None),
+        SampleKey::Request(_) => (None, Some(sample.req_id.clone())),
+    };
+    Ok(SampleRecord {
+        index,
+        request_id,
+        file: format!("hidden_states/{name}"),
+        length: sample.rows,
+        checksum: content_checksum(&sample.data),
+        bytes,
+    })
+}
+
+impl Writer {
+    pub fn start(cfg: WriterConfig) -> CoreResult<Writer> {
+        let dir = cfg.root.join("hidden_states");
+        std::fs::create_dir_all(&dir).map_err(|e| {
+            core_err!(Output, "cannot create the output directory {}: {e}; choose a directory you can write", dir.display())
+        })?;
+        let (tx, rx) = bounded::<Sample>(cfg.queue.max(1));
+        let shared = Arc::new(Mutex::new(Shared::default()));
+        let mut handles = Vec::new();
+        for t in 0..cfg.threads.max(1) {
+            let (rx, shared, dir, meta) = (rx.clone(), Arc::clone(&shared), dir.clone(), cfg.metadata.clone());
+            let durable = cfg.durable;
+            let h = std::thread::Builder::new()
+                .name(format!("hscapture-writer-{t}"))
+                .spawn(move || {
+                    for sample in rx.iter() {
+                        let r = catch_unwind(AssertUnwindSafe(|| write_one(&dir, &sample, &meta, durable)))
+                            .unwrap_or_else(|_| Err(core_err!(Output, "the writer thread panicked while writing {}", sample.key)));
+                        let mut g = lock(&shared);
+                        match r {
+                            Ok(rec) => g.records.push(rec),
+                            Err(e) => g.errors.push(e),
+                        }
+                    }
+                })
+                .map_err(|e| core_err!(Output, "cannot start a writer thread: {e}"))?;
+            handles.push(h);
+        }
+        Ok(Writer { tx: Some(tx), handles, shared, dir })
+    }
+
+    pub fn dir(&self) -> &std::path::Path {
+        &self.dir
+    }
+
+    /// Reports the first failed write, if any.
+    pub fn poll(&self) -> CoreResult<()> {
+        match lock(&self.shared).errors.first() {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Queues a sample; blocks while the queue is full.
+    pub fn submit(&self, sample: Sample) -> CoreResult<()> {
+        self.poll()?;
+        match &self.tx {
+            Some(tx) => tx.send(sample).map_err(|_| core_err!(Output, "the writer has stopped; no more samples can be written")),
+            None => Err(core_err!(Output, "the writer was finished; no more samples can be written")),
+        }
+    }
+
+    /// Records written so far (removed from the writer).
+    pub fn take_records(&self) -> Vec<SampleRecord> {
+        std::mem::take(&mut lock(&self.shared).records)
+    }
+
+    /// Waits for every queued sample, stops the threads and returns the records not yet taken.
+    pub fn finish(&mut self) -> CoreResult<Vec<SampleRecord>> {
+        self.tx = None;
+        for h in self.handles.drain(..) {
+            if h.join().is_err() {
+                lock(&self.shared).errors.push(core_err!(Output, "a writer thread panicked"));
+            }
+        }
+        self.poll()?;
+        Ok(self.take_records())
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        let _ = self.finish();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hscapture_kernels::DType;
+
+    fn sample(i: u64) -> Sample {
+        Sample {
+            key: SampleKey::Index(i),
+            req_id: format!("r{i}"),
+            token_ids: vec![1, 2, 3],
+            data: vec![i as u8; 3 * 2 * 4 * 4],
+            rows: 3,
+            slots: 2,
+            width: 4,
+            dtype: DType::F32,
+        }
+    }
+
+    #[test]
+    fn writes_every_sample_once() {
+        let d = tempfile::tempdir().unwrap();
+        let cfg = WriterConfig { root: d.path().into(), threads: 3, queue: 2, durable: false, metadata: HashMap::new() };
+        let mut w = Writer::start(cfg).unwrap();
+        for i in 0..20 {
+            w.submit(sample(i)).unwrap();
+        }
+        let mut recs = w.finish().unwrap();
+        recs.sort_by_key(|r| r.index);
+        assert_eq!(recs.len(), 20);
+        assert_eq!(recs[7].file, "hidden_states/hs_7.safetensors");
+        let names = std::fs::read_dir(d.path().join("hidden_states")).unwrap().count();
+        assert_eq!(names, 20, "exactly the finished files, no partial ones");
+    }
+
+    #[test]
+    fn a_failed_write_is_reported() {
+        let d = tempfile::tempdir().unwrap();
+        let cfg = WriterConfig { root: d.path().into(), threads: 1, queue: 1, durable: false, metadata: HashMap::new() };
+        let mut w = Writer::start(cfg).unwrap();
+        let mut bad = sample(1);
+        bad.rows = 5; // does not match its data
+        w.submit(bad).unwrap();
+        let e = w.finish().unwrap_err();
+        assert_eq!(e.kind, crate::ErrorKind::ShapeContract);
+    }
+}

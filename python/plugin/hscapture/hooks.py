@@ -1,0 +1,101 @@
+"""Hooks on a model's decoder layers: where each layer slot's tensor is taken.
+
+- ``("layer_output", k)``: a forward hook on decoder layer ``k``; the layer returns
+  ``(hidden_states, residual)`` (vLLM's fused-residual layers) or a tensor; the captured value is
+  their sum, read before the next layer's fused add-norm overwrites them in place.
+- ``("embeddings", 0)``: a forward pre-hook on layer 0 reading its ``hidden_states`` argument (plus
+  ``residual`` if one is passed).
+
+No model's forward is copied: whatever a model computes between layers (DeepSeek's
+``llama_4_scaling``, Gemma's embedding scale) is already in what the layers see.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+
+from .errors import CompatibilityError, ShapeContractError
+
+Capture = Callable[[int, torch.Tensor, "torch.Tensor | None"], None]
+
+
+def find_decoder_layers(model: torch.nn.Module, num_hidden_layers: int) -> tuple[str, torch.nn.ModuleList]:
+    """The ``nn.ModuleList`` of decoder layers: the shortest-named ``...layers`` list of the model's depth."""
+    found = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) == num_hidden_layers and name.split(".")[-1] in ("layers", "h", "blocks")
+    ]
+    if not found:
+        lists = [f"{n} ({len(m)})" for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)][:8]
+        raise CompatibilityError(
+            f"cannot find the decoder layers of {type(model).__name__}: expected an nn.ModuleList named `layers` with "
+            f"{num_hidden_layers} entries (num_hidden_layers), found module lists {lists or 'none'}"
+        )
+    found.sort(key=lambda nm: (nm[0].count("."), len(nm[0])))
+    return found[0]
+
+
+def is_missing(layer: torch.nn.Module) -> bool:
+    """Whether a decoder-layer slot is a placeholder for a layer owned by another pipeline stage."""
+    return type(layer).__name__ == "PPMissingLayer"
+
+
+def _arg_index(layer: torch.nn.Module, name: str) -> int | None:
+    try:
+        params = list(inspect.signature(layer.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params.index(name) if name in params else None
+
+
+def _split_output(out: Any, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(out, torch.Tensor):
+        return out, None
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        res = out[1] if len(out) > 1 and isinstance(out[1], torch.Tensor) else None
+        return out[0], res
+    raise ShapeContractError(
+        f"{where} returned {type(out).__name__}; expected a tensor or a (hidden_states, residual) tuple of tensors"
+    )
+
+
+def install(layers: torch.nn.ModuleList, points: list[tuple[str, int]], capture: Capture) -> list[Any]:
+    """Registers one hook per slot; returns the handles (``handle.remove()`` undoes them)."""
+    handles = []
+    for slot, (kind, k) in enumerate(points):
+        layer = layers[k]
+        if is_missing(layer):
+            continue  # owned by another pipeline stage
+        where = f"decoder layer {k} ({type(layer).__name__})"
+        if kind == "layer_output":
+
+            def post(_mod, _args, out, slot=slot, where=where):
+                h, r = _split_output(out, where)
+                capture(slot, h, r)
+
+            handles.append(layer.register_forward_hook(post))
+        elif kind == "embeddings":
+            hi, ri = _arg_index(layer, "hidden_states"), _arg_index(layer, "residual")
+            if hi is None:
+                raise CompatibilityError(f"{where}: forward() has no `hidden_states` argument; cannot read its input")
+
+            def pre(_mod, args, kwargs, slot=slot, hi=hi, ri=ri, where=where):
+                h = kwargs.get("hidden_states", args[hi] if hi < len(args) else None)
+                r = kwargs.get("residual", args[ri] if ri is not None and ri < len(args) else None)
+                if not isinstance(h, torch.Tensor):
+                    raise ShapeContractError(f"{where}: input hidden_states is {type(h).__name__}, expected a tensor")
+                capture(slot, h, r if isinstance(r, torch.Tensor) else None)
+
+            handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+        else:
+            raise CompatibilityError(f"unknown capture point {kind!r}")
+    return handles
+
+
+def describe(t: torch.Tensor) -> tuple:
+    """The descriptor ``CaptureSession.capture`` takes."""
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."), t.device.type, t.device.index)

@@ -1,0 +1,93 @@
+"""Tiny models built from transformers configs with fixed seeds (no model hub needed).
+
+``demo`` uses ``deepseek_v3``: DeepSeek-V3-shaped (MLA attention dims of the real model, YaRN rope,
+a dense first layer then MoE with a shared expert and sigmoid ``noaux_tc`` routing), random weights.
+The tests also use ``llama`` and ``deepseek_v2``. Models are saved with ``save_pretrained``; a
+WordLevel tokenizer is added so that text prompts work too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+VOCAB = 1024
+
+YARN = {"type": "yarn", "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+
+
+def _deepseek_common() -> dict:
+    return dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=512,
+                qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, n_group=1, topk_group=1,
+                routed_scaling_factor=1.0, max_position_embeddings=163840, rope_scaling=dict(YARN),
+                bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
+
+
+def _save_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3, **{f"w{i}": i for i in range(4, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            pad_token="<pad>").save_pretrained(str(path))
+
+
+def build(kind: str, path: str | Path, seed: int = 0, tokenizer: bool = True) -> Path:
+    """Builds tiny model ``kind`` (``llama``, ``deepseek_v2``, ``deepseek_v3``) at ``path``; returns it.
+
+    Reuses an existing build with the same kind and seed.
+    """
+    import torch
+    import transformers as tf
+
+    path = Path(path)
+    stamp = path / "hscapture_tiny.json"
+    want = {"kind": kind, "seed": seed, "tokenizer": tokenizer}
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        return path
+    torch.manual_seed(seed)
+    if kind == "llama":
+        cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+                             bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
+        model = tf.LlamaForCausalLM(cfg)
+        extra = {}
+    elif kind == "deepseek_v2":
+        cfg = tf.DeepseekV2Config(**_deepseek_common(), q_lora_rank=None, topk_method="greedy", norm_topk_prob=False)
+        model = tf.DeepseekV2ForCausalLM(cfg)
+        extra = {}
+    elif kind == "deepseek_v3":
+        cfg = tf.DeepseekV3Config(**_deepseek_common(), q_lora_rank=64, norm_topk_prob=True)
+        model = tf.DeepseekV3ForCausalLM(cfg)
+        # transformers does not write these; vLLM (like the real config.json) needs them.
+        extra = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    else:
+        raise ValueError(f"unknown tiny model {kind!r}; expected llama, deepseek_v2 or deepseek_v3")
+    _randomize_buffers(model)
+    model.to(torch.bfloat16).save_pretrained(str(path))
+    if extra:
+        c = json.loads((path / "config.json").read_text())
+        c.update(extra)
+        (path / "config.json").write_text(json.dumps(c, indent=2))
+    if tokenizer:
+        _save_tokenizer(path)
+    stamp.write_text(json.dumps(want))
+    return path
+
+
+def _randomize_buffers(model) -> None:
+    """Gives zero-initialised parameters (MoE correction bias) small random values so that a wrong
+    routing would show in the states."""
+    import torch
+
+    import itertools
+
+    for name, p in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if name.endswith("e_score_correction_bias"):
+            with torch.no_grad():
+                p.copy_(torch.rand_like(p) * 0.1)

@@ -1,0 +1,136 @@
+"""Adapters to vLLM's objects, by feature detection (never by version string).
+
+Everything hscapture reads from vLLM goes through this module: the platform's worker class, the
+scheduler output, the order the model runner laid a step out in, the tensor-parallel group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import envs
+from .errors import CompatibilityError
+
+SAMPLE_KEY = "hscapture_sample"
+"""Key in ``SamplingParams.extra_args`` holding a request's sample index (``hs_{i}``)."""
+
+_PLATFORM_WORKERS = [
+    ("is_cpu", "vllm.v1.worker.cpu_worker.CPUWorker"),
+    ("is_cuda_alike", "vllm.v1.worker.gpu_worker.Worker"),
+    ("is_xpu", "vllm.v1.worker.xpu_worker.XPUWorker"),
+]
+
+
+def platform_worker_qualname() -> str:
+    """The worker class the current platform would have used for ``worker_cls="auto"``."""
+    override = envs.get("HSCAPTURE_BASE_WORKER")
+    if override:
+        return override
+    from vllm.platforms import current_platform
+
+    for probe, qualname in _PLATFORM_WORKERS:
+        fn = getattr(current_platform, probe, None)
+        if callable(fn) and fn():
+            return qualname
+    raise CompatibilityError(
+        f"hscapture does not know the default worker of the {type(current_platform).__name__} platform; set "
+        "HSCAPTURE_BASE_WORKER to the qualified name of the worker class to extend"
+    )
+
+
+def resolve_qualname(qualname: str) -> type:
+    import importlib
+
+    module, _, name = qualname.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise CompatibilityError(f"cannot load the worker class {qualname}: {e}") from e
+
+
+def sample_index(sampling_params: Any) -> int | None:
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    v = extra.get(SAMPLE_KEY)
+    return int(v) if v is not None else None
+
+
+def step_args(so: Any) -> tuple:
+    """A scheduler output as the plain arguments of ``CaptureSession.begin_step``."""
+    new = []
+    for r in so.scheduled_new_reqs:
+        ids = r.prompt_token_ids
+        if ids is None:
+            raise CompatibilityError(
+                f"request {r.req_id!r} has no prompt token ids (prompt embeddings?); hscapture captures token prompts only"
+            )
+        new.append((r.req_id, list(ids), int(r.num_computed_tokens), sample_index(r.sampling_params)))
+    c = so.scheduled_cached_reqs
+    resumed = getattr(c, "resumed_req_ids", None)
+    if resumed is None:  # older layout: a parallel list of flags
+        flags = getattr(c, "resumed_from_preemption", None) or [False] * len(c.req_ids)
+        resumed = {rid for rid, f in zip(c.req_ids, flags) if f}
+    cached = [(rid, int(n), rid in resumed) for rid, n in zip(c.req_ids, c.num_computed_tokens)]
+    scheduled = [(rid, int(n)) for rid, n in so.num_scheduled_tokens.items()]
+    finished = list(so.finished_req_ids or ())
+    preempted = list(getattr(so, "preempted_req_ids", None) or ())
+    return new, cached, scheduled, int(so.total_num_scheduled_tokens), finished, preempted
+
+
+def check_runner(model_runner: Any) -> None:
+    """Refuses model runners whose step order hscapture cannot read."""
+    if not hasattr(model_runner, "input_batch"):
+        raise CompatibilityError(
+            f"the model runner {type(model_runner).__module__}.{type(model_runner).__name__} has no `input_batch` "
+            "(Model Runner V2); hscapture cannot yet read the token order it uses, and will not guess. Run with "
+            "VLLM_USE_V2_MODEL_RUNNER=0"
+        )
+
+
+def runner_order(model_runner: Any) -> list[str]:
+    """Request ids in the order the runner laid out the step being executed."""
+    batch = model_runner.input_batch
+    n = batch.num_reqs
+    return [rid for rid in batch.req_ids[:n]]
+
+
+def check_eager(vllm_config: Any) -> None:
+    """Hooks on decoder layers run only when the model executes eagerly."""
+    cc = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(cc, "mode", None)
+    if mode is None:
+        mode = getattr(cc, "level", 0)
+    if int(mode or 0) != 0:
+        raise CompatibilityError(
+            f"hscapture captures through hooks on decoder layers, which torch.compile would trace past (compilation "
+            f"mode {int(mode)}); start vLLM with enforce_eager=True (`--enforce-eager`)"
+        )
+
+
+class TPGroup:
+    """The tensor-parallel group, as far as hscapture needs it."""
+
+    def __init__(self) -> None:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        g = get_tp_group()
+        self.size = int(g.world_size)
+        self.rank = int(g.rank_in_group)
+        self._cpu_group = g.cpu_group
+
+    def all_gather_i64(self, value: int) -> list[int]:
+        import torch
+        import torch.distributed as dist
+
+        if self.size == 1:
+            return [value]
+        t = torch.tensor([value], dtype=torch.int64)
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(out, t, group=self._cpu_group)
+        return [int(x.item()) for x in out]
+
+
+def pp_info() -> tuple[int, int]:
+    from vllm.distributed.parallel_state import get_pp_group
+
+    g = get_pp_group()
+    return int(g.world_size), int(g.rank_in_group)

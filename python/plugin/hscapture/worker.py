@@ -1,0 +1,48 @@
+"""``CaptureWorker``: vLLM's worker for this platform, plus hidden-state capture.
+
+Load it with ``--worker-cls hscapture.worker.CaptureWorker`` or ``LLM(worker_cls=...)``. It
+subclasses the worker the platform would have used (``CPUWorker`` on CPU, the GPU ``Worker`` on
+CUDA) and overrides only ``load_model`` (install hooks) and ``execute_model`` (bracket each step);
+``sample_tokens`` and everything else are the base class's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import vllm_compat
+from .capture import WorkerCapture
+from .config import from_sources
+
+_Base: type = vllm_compat.resolve_qualname(vllm_compat.platform_worker_qualname())
+
+
+class CaptureWorker(_Base):  # type: ignore[misc, valid-type]
+    _hscapture: WorkerCapture | None = None
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        cfg = from_sources(getattr(self.vllm_config, "additional_config", None))
+        if cfg is not None:
+            self._hscapture = WorkerCapture(self, cfg)
+
+    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any):
+        cap = self._hscapture
+        if cap is None:
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        cap.begin(scheduler_output)
+        try:
+            out = super().execute_model(scheduler_output, *args, **kwargs)
+        except BaseException:
+            cap.abandon()
+            raise
+        cap.end()
+        return out
+
+    # -- RPC (collective_rpc("hscapture_finish")) --------------------------------------------
+    def hscapture_finish(self) -> dict | None:
+        """Flushes the writer; returns this rank's records and statistics (None if not capturing)."""
+        return self._hscapture.finish() if self._hscapture is not None else None
+
+
+__all__ = ["CaptureWorker"]

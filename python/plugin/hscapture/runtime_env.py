@@ -1,0 +1,51 @@
+"""Environment vLLM needs on a machine without a GPU (see docs/compatibility.md).
+
+Applied by the CLI before vLLM is imported; a value the user set is never overridden.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def omp_binding(world_size: int, cores: int | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND``: the cores split evenly, one group per worker ('auto' fails on small boxes)."""
+    n = cores or os.cpu_count() or 1
+    if world_size > n:
+        return "nobind"
+    per = n // world_size
+    groups = []
+    for r in range(world_size):
+        lo, hi = r * per, r * per + per - 1
+        groups.append(str(lo) if lo == hi else f"{lo}-{hi}")
+    return "|".join(groups)
+
+
+def cpu_defaults(world_size: int) -> dict[str, str]:
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": omp_binding(world_size),
+        "VLLM_HOST_IP": "127.0.0.1",
+        "TORCHINDUCTOR_VEC_ISA_OK": "1",
+    }
+
+
+def apply(world_size: int) -> dict[str, str]:
+    """Sets the CPU defaults that are unset (on CPU only); returns what was set."""
+    if has_cuda():
+        return {}
+    applied = {}
+    for k, v in cpu_defaults(world_size).items():
+        if k not in os.environ:
+            os.environ[k] = v
+            applied[k] = v
+    return applied

@@ -15,7 +15,8 @@ import torch
 
 from . import _native, hooks, vllm_compat
 from .config import CaptureConfig
-from .errors import CompatibilityError
+from .errors import CompatibilityError, HscaptureError
+from .failures import record_failure
 
 log = logging.getLogger("hscapture")
 
@@ -46,6 +47,7 @@ class WorkerCapture:
         self.model_dtype = str(model_dtype).removeprefix("torch.")
         self.out_dtype = self.model_dtype if cfg.dtype == "auto" else cfg.dtype
         self.model_runner = worker.model_runner
+        self.global_rank = int(getattr(worker, "rank", 0))
         meta = {
             "format": "hscapture/1",
             "convention": cfg.convention,
@@ -58,34 +60,63 @@ class WorkerCapture:
             writer_threads=cfg.writer_threads, writer_queue=cfg.writer_queue, durable=cfg.durable, metadata=meta,
         )
         name, layers = hooks.find_decoder_layers(worker.get_model(), n_layers)
-        self.handles = hooks.install(layers, self.session.capture_points(), self._on_capture)
+        self.handles = hooks.install(layers, self.capture_points(), self._on_capture)
         self._active = False
         self._total = 0
         log.info("hscapture: capturing %s ids %s at %s (%d hooks), tp rank %d/%d, writer=%s",
                  cfg.convention, self.layer_ids, name, len(self.handles), self.tp.rank, self.tp.size, self.writer_rank)
 
+    # -- what to read, and in which order (the two facts attribution rests on) ----------------
+    def capture_points(self) -> list[tuple[str, int]]:
+        """Where each layer slot is read: ``("embeddings", 0)`` or ``("layer_output", k)``."""
+        return self.session.capture_points()
+
+    def step_order(self) -> list[str]:
+        """Request ids in the order the model runner laid out the step being executed."""
+        return vllm_compat.runner_order(self.model_runner)
+
     # -- the step protocol -------------------------------------------------------------------
+    def _failed(self, e: HscaptureError) -> None:
+        """Leaves the typed error where the driver finds it (vLLM reports only that the engine died)."""
+        self._active = False
+        record_failure(self.cfg.out, self.global_rank, e)
+
     def begin(self, scheduler_output: Any) -> None:
-        self.session.begin_step(*vllm_compat.step_args(scheduler_output))
+        try:
+            self.session.begin_step(*vllm_compat.step_args(scheduler_output))
+        except HscaptureError as e:
+            self._failed(e)
+            raise
         self._total = int(scheduler_output.total_num_scheduled_tokens)
         self._active = True
 
     def _on_capture(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
         if not self._active:
             return  # profiling, warm-up and dummy runs
+        try:
+            self._capture(slot, hidden, residual)
+        except HscaptureError as e:
+            self._failed(e)
+            raise
+
+    def _capture(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
         if not self.session.planned:
-            self.session.plan(vllm_compat.runner_order(self.model_runner))
+            self.session.plan(self.step_order())
         if hidden.device.type != "cpu":
             # Host fallback until the device path exists: only the step's rows travel.
             hidden = hidden[: self._total].to("cpu")
             residual = residual[: self._total].to("cpu") if residual is not None else None
-        self.session.capture(slot, hooks.describe(hidden), hooks.describe(residual) if residual is not None else None)
+        self.session.capture(slot, hidden, residual)
 
     def end(self) -> None:
         self._active = False
-        step, checksum, rows, _completed = self.session.end_step()
-        if self.tp.size > 1 and self._total > 0:
-            self.session.verify_ranks(step, "tensor-parallel", self.tp.all_gather_i64(checksum))
+        try:
+            step, checksum, rows, _completed = self.session.end_step()
+            if self.tp.size > 1 and self._total > 0:
+                self.session.verify_ranks(step, "tensor-parallel", self.tp.all_gather_i64(checksum))
+        except HscaptureError as e:
+            self._failed(e)
+            raise
 
     def abandon(self) -> None:
         self._active = False

@@ -95,7 +95,3 @@ def install(layers: torch.nn.ModuleList, points: list[tuple[str, int]], capture:
             raise CompatibilityError(f"unknown capture point {kind!r}")
     return handles
 
-
-def describe(t: torch.Tensor) -> tuple:
-    """The descriptor ``CaptureSession.capture`` takes."""
-    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."), t.device.type, t.device.index)

@@ -39,13 +39,16 @@ def cpu_defaults(world_size: int) -> dict[str, str]:
     }
 
 
+_ours: dict[str, str] = {}
+
+
 def apply(world_size: int) -> dict[str, str]:
-    """Sets the CPU defaults that are unset (on CPU only); returns what was set."""
+    """Sets the CPU defaults the user did not set (on CPU only); returns what was set. Values set by an
+    earlier call (another world size in the same process) are updated; the user's are never touched."""
     if has_cuda():
         return {}
     applied = {}
     for k, v in cpu_defaults(world_size).items():
-        if k not in os.environ:
-            os.environ[k] = v
-            applied[k] = v
+        if k not in os.environ or os.environ[k] == _ours.get(k):
+            os.environ[k] = _ours[k] = applied[k] = v
     return applied

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 VOCAB = 1024
+VERSION = 2  # bump when a model's definition changes, so cached builds are replaced
 
 YARN = {"type": "yarn", "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
@@ -47,13 +48,13 @@ def build(kind: str, path: str | Path, seed: int = 0, tokenizer: bool = True) ->
 
     path = Path(path)
     stamp = path / "hscapture_tiny.json"
-    want = {"kind": kind, "seed": seed, "tokenizer": tokenizer}
+    want = {"kind": kind, "seed": seed, "tokenizer": tokenizer, "version": VERSION}
     if stamp.exists() and json.loads(stamp.read_text()) == want:
         return path
     torch.manual_seed(seed)
     if kind == "llama":
         cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
                              bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
         model = tf.LlamaForCausalLM(cfg)
         extra = {}

@@ -13,18 +13,27 @@ from typing import Any
 from . import vllm_compat
 from .capture import WorkerCapture
 from .config import from_sources
+from .errors import HscaptureError
+from .failures import record_failure
 
 _Base: type = vllm_compat.resolve_qualname(vllm_compat.platform_worker_qualname())
 
 
 class CaptureWorker(_Base):  # type: ignore[misc, valid-type]
+    capture_cls: type[WorkerCapture] = WorkerCapture
     _hscapture: WorkerCapture | None = None
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
-        cfg = from_sources(getattr(self.vllm_config, "additional_config", None))
-        if cfg is not None:
-            self._hscapture = WorkerCapture(self, cfg)
+        additional = getattr(self.vllm_config, "additional_config", None)
+        try:
+            cfg = from_sources(additional)
+            if cfg is not None:
+                self._hscapture = self.capture_cls(self, cfg)
+        except HscaptureError as e:
+            section = (additional or {}).get("hscapture") if isinstance(additional, dict) else None
+            record_failure((section or {}).get("out"), int(getattr(self, "rank", 0)), e)
+            raise
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any):
         cap = self._hscapture

@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use super::errors::guard;
-use super::tensor::{parse_dtype, to_desc, PyTensorDesc};
+use super::tensor::{describe, parse_dtype};
 use crate::layers::{CapturePoint, Convention, LayerPlan};
 use crate::plan::{CachedRequest, NewRequest, SampleKey, StepInput};
 use crate::ranks::verify_replicated;
@@ -146,17 +146,16 @@ impl CaptureSession {
         guard("plan", || Ok(self.inner.plan(&order)?.arena_rows))
     }
 
-    /// Captures slot `slot` from a layer's hidden states (+ residual). The caller keeps both tensors
-    /// alive and unmodified until this returns.
+    /// Captures slot `slot` from a layer's hidden states (+ residual): torch tensors, read in place.
     #[pyo3(signature = (slot, hidden, residual=None))]
-    fn capture(&mut self, py: Python<'_>, slot: usize, hidden: PyTensorDesc, residual: Option<PyTensorDesc>) -> PyResult<()> {
+    fn capture(&mut self, py: Python<'_>, slot: usize, hidden: &Bound<'_, PyAny>, residual: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         guard("capture", || {
-            let h = to_desc(hidden, "hidden states")?;
-            let r = residual.map(|r| to_desc(r, "residual")).transpose()?;
+            let h = describe(hidden, "hidden states")?;
+            let r = residual.map(|r| describe(r, "residual")).transpose()?;
             let inner = &mut self.inner;
-            // SAFETY: the Python caller holds references to both tensors for the whole call (the
-            // documented contract of this method), so the memory stays alive; vLLM's forward is
-            // paused inside the hook, so nothing writes to it while the GIL is released.
+            // SAFETY: `hidden` and `residual` are borrowed for this whole call, so their memory stays
+            // allocated; vLLM's forward is paused inside the hook that called us, so nothing writes to
+            // it while the GIL is released.
             py.detach(|| unsafe { inner.capture(slot, &h, r.as_ref()) })?;
             Ok(())
         })

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import _native, runtime_env
+from .. import _native, failures, runtime_env
 from ..config import CaptureConfig
 from ..errors import ConfigError, OutputError
 from ..patches import apply_driver_shims
@@ -30,6 +30,7 @@ class ExtractOptions:
     layers: list[int] | None = None
     tp: int = 1
     dtype: str = "auto"
+    store_dtype: str = "auto"
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     overwrite: bool = False
@@ -99,12 +100,13 @@ def run_extract(opts: ExtractOptions) -> ExtractReport:
     check_prompts(opts.prompts, model_cfg)
     out = Path(opts.out).resolve()
     prepare_out(out, opts.overwrite)
+    failures.clear(out)
     if opts.tp < 1:
         raise ConfigError(f"--tp must be at least 1, found {opts.tp}")
 
     runtime_env.apply(opts.tp)
     shims = apply_driver_shims(model_cfg)
-    cfg = CaptureConfig(layers=tuple(ids), convention=opts.convention, out=str(out), dtype="auto",
+    cfg = CaptureConfig(layers=tuple(ids), convention=opts.convention, out=str(out), dtype=opts.store_dtype,
                         writer_threads=opts.writer_threads, durable=opts.durable, model_name=str(opts.model))
 
     from vllm import LLM, SamplingParams
@@ -126,13 +128,20 @@ def run_extract(opts: ExtractOptions) -> ExtractReport:
     if opts.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = opts.max_num_batched_tokens
     kwargs.update(opts.llm_kwargs)
-    llm = LLM(**kwargs)
+    try:
+        llm = LLM(**kwargs)
+    except Exception as e:
+        failures.raise_recorded(out, e)
+        raise
     try:
         params = [SamplingParams(max_tokens=1, detokenize=False, extra_args={SAMPLE_KEY: i}) for i in range(len(opts.prompts))]
         t0 = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in opts.prompts], params, use_tqdm=opts.progress)
         results = [r for r in llm.collective_rpc("hscapture_finish") if r]
         seconds = time.perf_counter() - t0
+    except Exception as e:
+        failures.raise_recorded(out, e)
+        raise
     finally:
         _shutdown(llm)
     writers = [r for r in results if r.get("writer")]

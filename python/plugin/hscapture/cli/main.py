@@ -29,7 +29,9 @@ def parser() -> argparse.ArgumentParser:
                     help="after: id i = output of decoder layer i; before: id i = input of layer i (0 = embeddings, N = final)")
     ex.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     ex.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                    help="model dtype in vLLM, also the stored dtype")
+                    help="the model's dtype in vLLM")
+    ex.add_argument("--store-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="dtype of the stored states (auto: the model's); the residual sum is rounded once into it")
     ex.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (smaller forces chunked prefill)")
     ex.add_argument("--max-model-len", type=int, default=None)
     ex.add_argument("--overwrite", action="store_true", help="replace an existing capture in --out")
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
             rep = run_extract(ExtractOptions(
                 model=args.model, prompts=read_prompts(args.input), out=args.out, convention=args.convention,
-                layers=args.layers, tp=args.tp, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+                layers=args.layers, tp=args.tp, dtype=args.dtype, store_dtype=args.store_dtype, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, overwrite=args.overwrite, writer_threads=args.writer_threads,
                 durable=not args.no_fsync, progress=sys.stderr.isatty()))
             for line in rep.lines():
@@ -76,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     except HscaptureError as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # vLLM's own failures: its log above has the root cause
+        print(f"error: {type(e).__name__}: {e}\n(the log above holds vLLM's account of the root cause)", file=sys.stderr)
+        return 1
     return 1
 
 

@@ -1,0 +1,31 @@
+# hscapture — `make help` lists the targets.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: help setup demo test test-rust test-unit test-integration lint docs
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 20
+
+setup: ## create $(VENV) with vLLM for CPU, the HF reference and the hscapture wheel (reuses what exists)
+	scripts/setup.sh
+
+demo: setup ## capture a tiny DeepSeek-V3-shaped model at TP=2 through real vLLM and check it against HF
+	$(VENV)/bin/hscapture demo
+
+test: setup ## every test: Rust units, Python units, integration with real vLLM on CPU
+	scripts/test.sh
+
+test-rust: ## Rust unit tests only (no Python needed)
+	cargo test --workspace -q
+
+test-unit: ## Python unit tests only (needs setup)
+	$(PY) -m pytest tests/unit -q
+
+test-integration: ## integration tests with real vLLM on CPU only (needs setup)
+	$(PY) -m pytest tests/integration -q
+
+lint: ## clippy on the workspace
+	cargo clippy --workspace --all-targets --features hscapture-worker/python -- -D warnings
+
+docs: ## regenerate docs/configuration.md from the environment-variable registry
+	$(PY) -m hscapture.envs > docs/configuration.md

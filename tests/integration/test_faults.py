@@ -1,0 +1,21 @@
+"""The oracle comparison fails when attribution or layer ids are wrong (so its passing means something)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import TOL, extract, prompts, reference
+
+from hscapture.compare import compare
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("worker", ["RotatedOrderWorker", "ShiftedLayersWorker"])
+def test_wrong_capture_is_caught(tmp_path, tiny_model, worker):
+    model = tiny_model("llama")
+    ps = prompts(seed=7, lengths=(20, 45, 9, 30))
+    rep, samples = extract(tmp_path, model, ps, tp=1, convention="after", layers=[0, 2],
+                           llm_kwargs={"worker_cls": f"faulty.{worker}"})
+    cmp = compare([s["hidden_states"] for s in samples], reference(tmp_path, model, ps, rep.layer_ids, "after"))
+    assert not cmp.ok(TOL), f"{worker}: a wrong capture passed the comparison (worst {cmp.worst:.2e})"
+    assert cmp.worst > 0.05

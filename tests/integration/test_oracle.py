@@ -1,0 +1,35 @@
+"""Captured states equal HF transformers' token by token (float32, relative error <= 1e-3), for two
+architectures, TP=1 and TP=2, both conventions, chunked prefill forced, prompts of mixed lengths."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import TOL, extract, prompts, reference
+
+from hscapture.compare import compare
+
+pytestmark = pytest.mark.integration
+
+CASES = [
+    # model, tp, convention, layers
+    ("llama", 1, "before", [0, 2, 4]),
+    ("llama", 2, "after", [0, 1, 3]),
+    ("deepseek_v2", 1, "after", [0, 2, 3]),
+]
+
+
+@pytest.mark.parametrize("kind,tp,convention,layers", CASES, ids=[f"{c[0]}-tp{c[1]}-{c[2]}" for c in CASES])
+def test_matches_transformers(tmp_path, tiny_model, kind, tp, convention, layers):
+    model = tiny_model(kind)
+    ps = prompts(seed=tp)
+    rep, samples = extract(tmp_path, model, ps, tp=tp, convention=convention, layers=layers)
+    assert rep.samples == len(ps) and rep.tokens == sum(map(len, ps))
+    for p, s in zip(ps, samples):
+        assert s["token_ids"].tolist() == p
+        assert tuple(s["hidden_states"].shape) == (len(p), len(layers), 128)
+    cmp = compare([s["hidden_states"] for s in samples], reference(tmp_path, model, ps, rep.layer_ids, convention))
+    assert cmp.ok(TOL), f"worst relative error {cmp.worst:.2e} at (sample, token, slot) {cmp.where}"
+    # The classic off-by-one: the same ids read in the other convention are other layers; the check is sharp.
+    if convention == "after":
+        mixed_up = reference(tmp_path, model, ps, rep.layer_ids, "before")
+        assert not compare([s["hidden_states"] for s in samples], mixed_up).ok(TOL)

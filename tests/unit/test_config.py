@@ -1,0 +1,69 @@
+"""Configuration from additional_config and HSCAPTURE_* variables."""
+
+import pytest
+
+from hscapture import ConfigError, envs
+from hscapture.config import from_sources
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for k in list(__import__("os").environ):
+        if k.startswith("HSCAPTURE_"):
+            monkeypatch.delenv(k)
+
+
+def test_nothing_configured_means_no_capture():
+    assert from_sources({}) is None
+    assert from_sources(None) is None
+
+
+def test_additional_config_section():
+    c = from_sources({"hscapture": {"layers": [2, 1], "convention": "before", "out": "/x", "dtype": "bf16"}})
+    assert (c.layers, c.convention, c.out, c.dtype) == ((2, 1), "before", "/x", "bfloat16")
+    assert c.resolve(4) == [1, 2]
+
+
+def test_environment(monkeypatch):
+    monkeypatch.setenv("HSCAPTURE_LAYERS", "1,3")
+    monkeypatch.setenv("HSCAPTURE_CONVENTION", "after")
+    monkeypatch.setenv("HSCAPTURE_DURABLE", "0")
+    c = from_sources({})
+    assert (c.layers, c.convention, c.durable) == ((1, 3), "after", False)
+    assert c.sources["layers"] == "HSCAPTURE_LAYERS"
+
+
+def test_same_setting_twice_must_agree(monkeypatch):
+    monkeypatch.setenv("HSCAPTURE_LAYERS", "1,3")
+    assert from_sources({"hscapture": {"layers": [1, 3], "convention": "after"}}).layers == (1, 3)
+    with pytest.raises(ConfigError, match=r"given twice with different values.*\(1, 2\).*HSCAPTURE_LAYERS"):
+        from_sources({"hscapture": {"layers": [1, 2], "convention": "after"}})
+
+
+def test_layers_need_a_convention():
+    with pytest.raises(ConfigError, match="without a convention"):
+        from_sources({"hscapture": {"layers": [1]}})
+
+
+def test_bad_values_and_keys():
+    with pytest.raises(ConfigError, match="unknown keys"):
+        from_sources({"hscapture": {"layer": [1], "convention": "after"}})
+    with pytest.raises(ConfigError, match="list of integer layer ids"):
+        from_sources({"hscapture": {"layers": "a,b", "convention": "after"}})
+    with pytest.raises(ConfigError, match='"after" or "before"'):
+        from_sources({"hscapture": {"layers": [1], "convention": "output"}})
+    with pytest.raises(ConfigError, match="no layer ids"):
+        from_sources({"hscapture": {"out": "/tmp/x"}})
+
+
+def test_unknown_variable_warns_with_close_match(monkeypatch):
+    monkeypatch.setenv("HSCAPTURE_LAYRES", "1")
+    with pytest.warns(UserWarning, match="did you mean HSCAPTURE_LAYERS"):
+        msgs = envs.check_unknown()
+    assert len(msgs) == 1
+
+
+def test_docs_follow_the_registry():
+    from conftest import ROOT
+
+    assert (ROOT / "docs" / "configuration.md").read_text() == envs.markdown(), "run `make docs`"

@@ -1,0 +1,65 @@
+"""Prompt files and model checks, before vLLM starts."""
+
+import json
+
+import pytest
+
+from hscapture import ConfigError, OutputError
+from hscapture.cli.extract import prepare_out
+from hscapture.cli.inputs import check_prompts, read_prompts
+
+
+def write(tmp_path, lines):
+    p = tmp_path / "p.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def test_reads_token_ids(tmp_path):
+    p = write(tmp_path, [json.dumps({"token_ids": [1, 2]}), "", json.dumps({"token_ids": [3]})])
+    assert read_prompts(p) == [[1, 2], [3]]
+
+
+@pytest.mark.parametrize("line,match", [
+    ("{bad", r"p.jsonl:1: not valid JSON"),
+    (json.dumps({"text": "hi"}), r"p.jsonl:1: expected an object"),
+    (json.dumps({"token_ids": [1, -2]}), r"non-negative"),
+    (json.dumps({"token_ids": []}), r"p.jsonl:1: the prompt is empty"),
+])
+def test_bad_lines_name_the_line(tmp_path, line, match):
+    with pytest.raises(ConfigError, match=match):
+        read_prompts(write(tmp_path, [line]))
+
+
+def test_prompt_checks_against_the_model():
+    cfg = {"vocab_size": 10, "max_position_embeddings": 8}
+    with pytest.raises(ConfigError, match="outside the model's vocabulary"):
+        check_prompts([[1, 10]], cfg)
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        check_prompts([[1] * 8], cfg)
+    check_prompts([[1] * 7], cfg)
+
+
+def test_existing_output_needs_overwrite(tmp_path):
+    prepare_out(tmp_path, overwrite=False)
+    (tmp_path / "hidden_states" / "hs_0.safetensors").write_bytes(b"x")
+    with pytest.raises(OutputError, match="--overwrite"):
+        prepare_out(tmp_path, overwrite=False)
+    prepare_out(tmp_path, overwrite=True)
+    assert not any((tmp_path / "hidden_states").iterdir())
+
+
+def test_cpu_binding_follows_the_world_size(monkeypatch):
+    from hscapture import runtime_env
+
+    monkeypatch.setattr(runtime_env, "has_cuda", lambda: False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert runtime_env.omp_binding(2, cores=2) == "0|1" and runtime_env.omp_binding(1, cores=4) == "0-3"
+    runtime_env.apply(1)
+    runtime_env.apply(2)  # a later run in the same process with another TP size
+    import os
+
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == runtime_env.omp_binding(2)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    runtime_env.apply(1)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind", "the user's value is kept"

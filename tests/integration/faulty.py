@@ -22,3 +22,15 @@ class RotatedOrderWorker(CaptureWorker):
 
 class ShiftedLayersWorker(CaptureWorker):
     capture_cls = _ShiftedLayers
+
+
+class _PerturbedRank1(WorkerCapture):
+    def _capture(self, slot, hidden, residual):
+        if self.tp.rank == 1:
+            hidden = hidden.clone()
+            hidden[0, 0] += 1.0  # one value differs on one rank: the replicated stream is not replicated
+        super()._capture(slot, hidden, residual)
+
+
+class PerturbedRankWorker(CaptureWorker):
+    capture_cls = _PerturbedRank1

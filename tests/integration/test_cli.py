@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import prompts
+from helpers import prompts
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +69,7 @@ def test_demo(tmp_path):
 def test_prefix_caching_is_refused_with_a_typed_error(tmp_path, tiny_model):
     """A prompt whose prefix is served from the cache has states that are never computed: the worker's
     AttributionError reaches the driver with its type, though vLLM only reports a dead engine."""
-    from conftest import extract
+    from helpers import extract
 
     from hscapture import AttributionError
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import TOL, extract, prompts, reference
+from helpers import TOL, extract, prompts, reference
 
 from hscapture.compare import compare
 
@@ -19,3 +19,11 @@ def test_wrong_capture_is_caught(tmp_path, tiny_model, worker):
     cmp = compare([s["hidden_states"] for s in samples], reference(tmp_path, model, ps, rep.layer_ids, "after"))
     assert not cmp.ok(TOL), f"{worker}: a wrong capture passed the comparison (worst {cmp.worst:.2e})"
     assert cmp.worst > 0.05
+
+
+def test_tp_ranks_that_disagree_are_named(tmp_path, tiny_model):
+    from hscapture import RankMismatchError
+
+    with pytest.raises(RankMismatchError, match=r"ranks \[1\] disagree with rank 0"):
+        extract(tmp_path, tiny_model("llama"), prompts(5, lengths=(6, 9)), tp=2, convention="after", layers=[1],
+                llm_kwargs={"worker_cls": "faulty.PerturbedRankWorker"})

@@ -4,7 +4,7 @@ architectures, TP=1 and TP=2, both conventions, chunked prefill forced, prompts 
 from __future__ import annotations
 
 import pytest
-from conftest import TOL, extract, prompts, reference
+from helpers import TOL, extract, prompts, reference
 
 from hscapture.compare import compare
 

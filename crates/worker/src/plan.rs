@@ -365,5 +365,5 @@ impl Tracker {
 }
 
 #[cfg(test)]
-#[path = "plan_tests.rs"]
+#[path = "tests/plan.rs"]
 mod tests;

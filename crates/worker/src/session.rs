@@ -319,5 +319,5 @@ impl Session {
 }
 
 #[cfg(test)]
-#[path = "session_tests.rs"]
+#[path = "tests/session.rs"]
 mod tests;

@@ -1,0 +1,43 @@
+use super::*;
+use hscapture_kernels::DType;
+
+fn sample(i: u64) -> Sample {
+    Sample {
+        key: SampleKey::Index(i),
+        req_id: format!("r{i}"),
+        token_ids: vec![1, 2, 3],
+        data: vec![i as u8; 3 * 2 * 4 * 4],
+        rows: 3,
+        slots: 2,
+        width: 4,
+        dtype: DType::F32,
+    }
+}
+
+#[test]
+fn writes_every_sample_once() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = WriterConfig { root: d.path().into(), threads: 3, queue: 2, durable: false, metadata: HashMap::new() };
+    let mut w = Writer::start(cfg).unwrap();
+    for i in 0..20 {
+        w.submit(sample(i)).unwrap();
+    }
+    let mut recs = w.finish().unwrap();
+    recs.sort_by_key(|r| r.index);
+    assert_eq!(recs.len(), 20);
+    assert_eq!(recs[7].file, "hidden_states/hs_7.safetensors");
+    let names = std::fs::read_dir(d.path().join("hidden_states")).unwrap().count();
+    assert_eq!(names, 20, "exactly the finished files, no partial ones");
+}
+
+#[test]
+fn a_failed_write_is_reported() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = WriterConfig { root: d.path().into(), threads: 1, queue: 1, durable: false, metadata: HashMap::new() };
+    let mut w = Writer::start(cfg).unwrap();
+    let mut bad = sample(1);
+    bad.rows = 5; // does not match its data
+    w.submit(bad).unwrap();
+    let e = w.finish().unwrap_err();
+    assert_eq!(e.kind, crate::ErrorKind::ShapeContract);
+}

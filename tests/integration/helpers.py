@@ -1,0 +1,31 @@
+"""Helpers shared by the integration tests."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+TOL = 1e-3
+
+
+def prompts(seed: int, lengths=(5, 40, 77, 12, 64, 1)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 1024) for _ in range(n)] for n in lengths]
+
+
+def extract(tmp_path: Path, model: str, ps, *, tp: int, convention: str, layers, chunk: int = 32, **kw):
+    """Runs the extraction path (`hscapture extract`'s library function); returns (report, samples)."""
+    from hscapture import load_sample
+    from hscapture.cli.extract import ExtractOptions, run_extract
+
+    rep = run_extract(ExtractOptions(model=model, prompts=ps, out=str(tmp_path / "out"), convention=convention,
+                                     layers=layers, tp=tp, dtype="float32", max_num_batched_tokens=chunk,
+                                     progress=False, durable=False, **kw))
+    samples = [load_sample(tmp_path / "out" / "hidden_states" / f"hs_{i}.safetensors") for i in range(len(ps))]
+    return rep, samples
+
+
+def reference(tmp_path: Path, model: str, ps, layer_ids, convention):
+    from hscapture import reference as ref
+
+    return ref.compute_subprocess(model, ps, list(layer_ids), convention, tmp_path / "ref")

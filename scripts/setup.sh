@@ -33,6 +33,17 @@ if [ ! -f "$VENV/ref-transformers/.hscapture-$REF_TF" ]; then
   touch "$VENV/ref-transformers/.hscapture-$REF_TF"
 fi
 
+# speculators' offline generator, each version in its own folder (--no-deps: its pins would downgrade
+# torch and transformers); tests put one on PYTHONPATH at a time.
+for SPEC in ${HSCAPTURE_SPECULATORS_VERSIONS:-0.4.0 0.3.0}; do
+  if [ ! -f "$VENV/speculators-$SPEC/.hscapture-ok" ]; then
+    log "installing speculators $SPEC into $VENV/speculators-$SPEC (tests only)"
+    rm -rf "$VENV/speculators-$SPEC"
+    "$VENV/bin/python" -m pip install -q --no-deps --target "$VENV/speculators-$SPEC" "speculators==$SPEC"
+    touch "$VENV/speculators-$SPEC/.hscapture-ok"
+  fi
+done
+
 "$VENV/bin/python" -m pip install -q "maturin>=1.7,<2" "pytest>=8"
 log "building the hscapture wheel (Rust, release)"
 rm -f target/wheels/hscapture-*.whl

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
+import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("HSCAPTURE_CACHE") or Path.home() / ".cache" / "hscapture")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `support`, whichever suite runs first
+from support import cache_dir  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +16,9 @@ def tiny_model():
     """Builds (or reuses) a tiny model: ``tiny_model("llama")`` -> its directory."""
     from hscapture import tiny
 
-    def get(kind: str) -> str:
-        return str(tiny.build(kind, cache_dir() / "models" / f"tiny-{kind.replace('_', '-')}", seed=0))
+    def get(kind: str, dtype: str = "bfloat16") -> str:
+        suffix = "" if dtype == "bfloat16" else f"-{dtype}"
+        return str(tiny.build(kind, cache_dir() / "models" / f"tiny-{kind.replace('_', '-')}{suffix}", seed=0, dtype=dtype))
 
     return get
+

@@ -121,6 +121,14 @@ impl Session {
         self.tracker.current_plan().is_some()
     }
 
+    /// Prompt rows per request of the planned step, in the runner's order (empty before `plan`).
+    pub fn step_rows(&self) -> Vec<(String, usize)> {
+        self.tracker
+            .current_plan()
+            .map(|p| p.segments.iter().map(|s| (s.req_id.clone(), s.len)).collect())
+            .unwrap_or_default()
+    }
+
     /// Fixes the step's row layout from the runner's request order.
     pub fn plan(&mut self, order: &[String]) -> CoreResult<&StepPlan> {
         let rows = self.tracker.plan(order)?.arena_rows;

@@ -15,7 +15,7 @@ import torch
 
 from . import _native, hooks, vllm_compat
 from .config import CaptureConfig
-from .errors import CompatibilityError, HscaptureError
+from .errors import AttributionError, CompatibilityError, HscaptureError, ShapeContractError
 from .failures import record_failure
 
 log = logging.getLogger("hscapture")
@@ -25,6 +25,12 @@ def _model_facts(vllm_config: Any) -> tuple[int, int, torch.dtype, str]:
     mc = vllm_config.model_config
     text = getattr(mc, "hf_text_config", None) or mc.hf_config
     return int(text.num_hidden_layers), int(mc.get_hidden_size()), mc.dtype, str(mc.model)
+
+
+def _split_layers(d: dict) -> list[torch.Tensor]:
+    """A sample from ``take_samples`` as one ``[L, H]`` tensor per layer."""
+    t = torch.frombuffer(bytearray(d["data"]), dtype=getattr(torch, d["dtype"])).reshape(d["shape"])
+    return [t[:, k, :].clone() for k in range(t.shape[1])]
 
 
 class WorkerCapture:
@@ -39,32 +45,42 @@ class WorkerCapture:
                 "would not be captured; run with pipeline_parallel_size=1"
             )
         n_layers, hidden, model_dtype, model = _model_facts(vc)
-        self.cfg = cfg
-        self.layer_ids = cfg.resolve(n_layers)
-        self.num_hidden_layers, self.hidden_size = n_layers, hidden
-        self.tp = vllm_compat.TPGroup()
-        self.writer_rank = self.tp.rank == 0
-        self.model_dtype = str(model_dtype).removeprefix("torch.")
-        self.out_dtype = self.model_dtype if cfg.dtype == "auto" else cfg.dtype
-        self.model_runner = worker.model_runner
-        self.global_rank = int(getattr(worker, "rank", 0))
-        meta = {
-            "format": "hscapture/1",
-            "convention": cfg.convention,
-            "layer_ids": ",".join(map(str, self.layer_ids)),
-            "model": cfg.model_name or model,
-        }
-        self.session = _native.CaptureSession(
-            self.layer_ids, cfg.convention, n_layers, hidden, self.model_dtype, self.out_dtype,
-            assemble=self.writer_rank, out_dir=cfg.out if self.writer_rank else None,
+        layer_ids = cfg.resolve(n_layers)
+        tp = vllm_compat.TPGroup()
+        writer = tp.rank == 0
+        model_dtype = str(model_dtype).removeprefix("torch.")
+        out_dtype = model_dtype if cfg.dtype == "auto" else cfg.dtype
+        meta = {"format": "hscapture/1", "convention": cfg.convention, "layer_ids": ",".join(map(str, layer_ids)),
+                "model": cfg.model_name or model}
+        session = _native.CaptureSession(
+            layer_ids, cfg.convention, n_layers, hidden, model_dtype, out_dtype,
+            assemble=writer, out_dir=cfg.out if writer else None,
             writer_threads=cfg.writer_threads, writer_queue=cfg.writer_queue, durable=cfg.durable, metadata=meta,
         )
+        self._init_state(cfg, session, tp, worker.model_runner, int(getattr(worker, "rank", 0)))
+        self.num_hidden_layers, self.hidden_size, self.out_dtype = n_layers, hidden, out_dtype
         name, layers = hooks.find_decoder_layers(worker.get_model(), n_layers)
         self.handles = hooks.install(layers, self.capture_points(), self._on_capture)
-        self._active = False
-        self._total = 0
         log.info("hscapture: capturing %s ids %s at %s (%d hooks), tp rank %d/%d, writer=%s",
                  cfg.convention, self.layer_ids, name, len(self.handles), self.tp.rank, self.tp.size, self.writer_rank)
+
+    def _init_state(self, cfg: CaptureConfig, session: Any, tp: Any, model_runner: Any, global_rank: int) -> None:
+        """Everything but vLLM: the parts tests assemble without an engine."""
+        self.cfg = cfg
+        self.session = session
+        self.layer_ids = list(session.layer_ids)
+        self.tp = tp
+        self.writer_rank = tp.rank == 0
+        self.model_runner = model_runner
+        self.global_rank = global_rank
+        self.handles: list[Any] = []
+        self._active = False
+        self._total = 0
+        # The RPC surface (speculators' drivers): the driver's per-step view, admission order, answer shape.
+        self._expected: dict[str, int] | None = None
+        self._metadata_seen = False
+        self._admitted: list[str] = []
+        self._admitted_set: set[str] = set()
 
     # -- what to read, and in which order (the two facts attribution rests on) ----------------
     def capture_points(self) -> list[tuple[str, int]]:
@@ -89,6 +105,10 @@ class WorkerCapture:
             raise
         self._total = int(scheduler_output.total_num_scheduled_tokens)
         self._active = True
+        for r in scheduler_output.scheduled_new_reqs:
+            if r.req_id not in self._admitted_set:
+                self._admitted_set.add(r.req_id)
+                self._admitted.append(r.req_id)
 
     def _on_capture(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
         if not self._active:
@@ -111,12 +131,76 @@ class WorkerCapture:
     def end(self) -> None:
         self._active = False
         try:
+            self._check_expected()
             step, checksum, rows, _completed = self.session.end_step()
             if self.tp.size > 1 and self._total > 0:
                 self.session.verify_ranks(step, "tensor-parallel", self.tp.all_gather_i64(checksum))
         except HscaptureError as e:
             self._failed(e)
             raise
+
+    def _check_expected(self) -> None:
+        expected, self._expected = self._expected, None
+        if expected is None:
+            return
+        ours = dict(self.session.step_rows())
+        theirs = {str(k): int(v) for k, v in expected.items() if int(v) > 0}
+        if ours != theirs:
+            diff = sorted(set(ours) | set(theirs))
+            lines = [f"{r}: hscapture {ours.get(r, 0)}, driver {theirs.get(r, 0)}" for r in diff if ours.get(r, 0) != theirs.get(r, 0)]
+            if self.session.in_step:
+                self.session.abandon_step()
+            raise AttributionError(
+                "the driver's request metadata disagrees with the scheduler output about which prompt tokens this step "
+                f"holds ({'; '.join(lines[:8])}); the driver's own bookkeeping has drifted (preemption? chunked prefill?) "
+                "— hscapture attributes by the scheduler output, which is what the model ran"
+            )
+
+    # -- the RPC surface (speculators' offline generator) --------------------------------------
+    def expect_rows(self, metadata: dict) -> None:
+        self._expected = dict(metadata)
+        self._metadata_seen = True
+
+    def reset(self) -> None:
+        self.session.take_samples()
+        self.session.take_aborted()
+        self._expected, self._metadata_seen = None, False
+        self._admitted, self._admitted_set = [], set()
+
+    def store(self, aux_hidden_states: list) -> None:
+        if not self._active:
+            raise AttributionError("_store_captured_states was called outside a step; states belong to the step that computed them")
+        if len(aux_hidden_states) != len(self.layer_ids):
+            raise ShapeContractError(
+                f"_store_captured_states: expected {len(self.layer_ids)} tensors (layers {self.layer_ids}), found {len(aux_hidden_states)}"
+            )
+        for slot, t in enumerate(aux_hidden_states):
+            self._capture(slot, t, None)
+
+    def collect(self):
+        if not self.writer_rank:
+            return None
+        samples = {d["request_id"]: d for d in self.session.take_samples()}
+        if not samples:
+            return None
+        layers = {rid: _split_layers(d) for rid, d in samples.items()}
+        if self._metadata_seen:
+            return layers
+        missing = [r for r in self._admitted if r not in layers]
+        if missing:
+            raise AttributionError(
+                f"{len(missing)} admitted requests have no complete states (first: {missing[:5]}): the driver finished "
+                "them before their prefill was done (a request split across steps by chunked prefill and aborted after "
+                "its first chunk?); raise max_num_batched_tokens above the longest prompt"
+            )
+        order = [r for r in self._admitted if r in layers]
+        return [torch.cat([layers[r][k] for r in order], dim=0) for k in range(len(self.layer_ids))]
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        self.session.finish()
 
     def abandon(self) -> None:
         self._active = False

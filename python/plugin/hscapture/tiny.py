@@ -38,17 +38,16 @@ def _save_tokenizer(path: Path) -> None:
                             pad_token="<pad>").save_pretrained(str(path))
 
 
-def build(kind: str, path: str | Path, seed: int = 0, tokenizer: bool = True) -> Path:
-    """Builds tiny model ``kind`` (``llama``, ``deepseek_v2``, ``deepseek_v3``) at ``path``; returns it.
-
-    Reuses an existing build with the same kind and seed.
+def build(kind: str, path: str | Path, seed: int = 0, tokenizer: bool = True, dtype: str = "bfloat16") -> Path:
+    """Builds tiny model ``kind`` (``llama``, ``deepseek_v2``, ``deepseek_v3``) at ``path``, weights saved
+    in ``dtype`` (what ``dtype="auto"`` loads); returns the path. Reuses an identical earlier build.
     """
     import torch
     import transformers as tf
 
     path = Path(path)
     stamp = path / "hscapture_tiny.json"
-    want = {"kind": kind, "seed": seed, "tokenizer": tokenizer, "version": VERSION}
+    want = {"kind": kind, "seed": seed, "tokenizer": tokenizer, "version": VERSION, "dtype": dtype}
     if stamp.exists() and json.loads(stamp.read_text()) == want:
         return path
     torch.manual_seed(seed)
@@ -70,7 +69,7 @@ def build(kind: str, path: str | Path, seed: int = 0, tokenizer: bool = True) ->
     else:
         raise ValueError(f"unknown tiny model {kind!r}; expected llama, deepseek_v2 or deepseek_v3")
     _randomize_buffers(model)
-    model.to(torch.bfloat16).save_pretrained(str(path))
+    model.to(getattr(torch, dtype)).save_pretrained(str(path))
     if extra:
         c = json.loads((path / "config.json").read_text())
         c.update(extra)

@@ -3,24 +3,27 @@
 Load it with ``--worker-cls hscapture.worker.CaptureWorker`` or ``LLM(worker_cls=...)``. It
 subclasses the worker the platform would have used (``CPUWorker`` on CPU, the GPU ``Worker`` on
 CUDA) and overrides only ``load_model`` (install hooks) and ``execute_model`` (bracket each step);
-``sample_tokens`` and everything else are the base class's.
+``sample_tokens`` and everything else are the base class's. It also carries the speculators-compatible
+RPC surface (``hscapture.rpc.HiddenStatesRPC``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import vllm_compat
+from . import stepping, vllm_compat
 from .capture import WorkerCapture
 from .config import from_sources
 from .errors import HscaptureError
 from .failures import record_failure
+from .rpc import HiddenStatesRPC
 
 _Base: type = vllm_compat.resolve_qualname(vllm_compat.platform_worker_qualname())
 
 
-class CaptureWorker(_Base):  # type: ignore[misc, valid-type]
+class CaptureWorker(HiddenStatesRPC, _Base):  # type: ignore[misc, valid-type]
     capture_cls: type[WorkerCapture] = WorkerCapture
+    _hscapture_brackets_steps = True
     _hscapture: WorkerCapture | None = None
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
@@ -36,17 +39,7 @@ class CaptureWorker(_Base):  # type: ignore[misc, valid-type]
             raise
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any):
-        cap = self._hscapture
-        if cap is None:
-            return super().execute_model(scheduler_output, *args, **kwargs)
-        cap.begin(scheduler_output)
-        try:
-            out = super().execute_model(scheduler_output, *args, **kwargs)
-        except BaseException:
-            cap.abandon()
-            raise
-        cap.end()
-        return out
+        return stepping.run_step(self, super().execute_model, scheduler_output, *args, **kwargs)
 
     # -- RPC (collective_rpc("hscapture_finish")) --------------------------------------------
     def hscapture_finish(self) -> dict | None:

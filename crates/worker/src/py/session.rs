@@ -183,6 +183,11 @@ impl CaptureSession {
         })
     }
 
+    /// Prompt rows per request in the planned step, in the runner's order: `[(request_id, rows)]`.
+    fn step_rows(&self) -> Vec<(String, usize)> {
+        self.inner.step_rows()
+    }
+
     /// Drops the step in progress (its forward failed).
     fn abandon_step(&mut self) {
         self.inner.abandon_step();

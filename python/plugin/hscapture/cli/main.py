@@ -43,6 +43,12 @@ def parser() -> argparse.ArgumentParser:
     de.add_argument("--tp", type=int, default=2)
     de.add_argument("--max-num-batched-tokens", type=int, default=64)
 
+    rs = sub.add_parser("run-speculators", help="run a speculators data-generation script unchanged, on hscapture")
+    rs.add_argument("--own-extension", action="store_true",
+                    help="keep speculators' own worker extension (only the shims apply; for side-by-side runs)")
+    rs.add_argument("script")
+    rs.add_argument("args", nargs=argparse.REMAINDER)
+
     sub.add_parser("version", help="print versions")
     return ap
 
@@ -70,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             return run_demo(Path(args.out).resolve(), tp=args.tp, max_num_batched_tokens=args.max_num_batched_tokens)
+        if args.cmd == "run-speculators":
+            from .run_speculators import run
+
+            run(args.script, args.args[1:] if args.args[:1] == ["--"] else args.args, use_hscapture=not args.own_extension)
+            return 0
         if args.cmd == "version":
             from .. import __version__
 

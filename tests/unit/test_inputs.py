@@ -54,12 +54,22 @@ def test_cpu_binding_follows_the_world_size(monkeypatch):
 
     monkeypatch.setattr(runtime_env, "has_cuda", lambda: False)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv(runtime_env.MARK, raising=False)
     assert runtime_env.omp_binding(2, cores=2) == "0|1" and runtime_env.omp_binding(1, cores=4) == "0-3"
     runtime_env.apply(1)
     runtime_env.apply(2)  # a later run in the same process with another TP size
     import os
 
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == runtime_env.omp_binding(2)
+    import json
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", "import os; from hscapture import runtime_env as r; r.has_cuda = lambda: False; "
+                            "r.apply(1); print(os.environ['VLLM_CPU_OMP_THREADS_BIND'])"],
+                           capture_output=True, text=True, env=dict(os.environ))
+    assert child.stdout.strip() == runtime_env.omp_binding(1), "a child process may replace what its parent's run chose"
+    assert json.loads(os.environ[runtime_env.MARK])["VLLM_CPU_OMP_THREADS_BIND"] == runtime_env.omp_binding(2)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     runtime_env.apply(1)
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind", "the user's value is kept"

@@ -13,6 +13,7 @@ pub mod checksum;
 pub mod cpu;
 pub mod cuda;
 pub mod dtype;
+pub mod launch;
 
 pub use checksum::{combine_row, mix64, row_checksum};
 pub use cpu::{capture_rows, CaptureTarget, KernelError, RowRun, RowSource};

@@ -1,11 +1,12 @@
-//! The step arena: one step's captured prompt rows, layer-major (`[slot][row][hidden]`), in the
-//! output dtype, with a checksum and a non-finite count per row.
+//! The CPU step arena: one step's captured prompt rows, layer-major (`[slot][row][hidden]`), in the
+//! output dtype, with a checksum and a non-finite count per row. The device path keeps the same
+//! layout in device memory and in its pinned host buffer.
 //!
-//! Invariants: capacity only grows; `reset` marks every slot empty; a slot is written at most once
-//! per step; rows beyond the step's row count are never read.
+//! Invariants: capacity only grows; rows beyond the step's row count are never read.
 
+use crate::rows::{HostRows, StepRows};
 use crate::{ensure, error::CoreResult};
-use hscapture_kernels::{combine_row, CaptureTarget, DType};
+use hscapture_kernels::{CaptureTarget, DType};
 
 #[derive(Debug)]
 pub struct Arena {
@@ -17,22 +18,11 @@ pub struct Arena {
     data: Vec<u8>,
     row_sums: Vec<u64>,
     nonfinite: Vec<u32>,
-    filled: Vec<bool>,
 }
 
 impl Arena {
     pub fn new(slots: usize, width: usize, dtype: DType) -> Self {
-        Arena {
-            slots,
-            width,
-            dtype,
-            capacity: 0,
-            rows: 0,
-            data: Vec::new(),
-            row_sums: Vec::new(),
-            nonfinite: Vec::new(),
-            filled: vec![false; slots],
-        }
+        Arena { slots, width, dtype, capacity: 0, rows: 0, data: Vec::new(), row_sums: Vec::new(), nonfinite: Vec::new() }
     }
 
     pub fn row_bytes(&self) -> usize {
@@ -49,7 +39,6 @@ impl Arena {
             self.capacity = cap;
         }
         self.rows = rows;
-        self.filled.iter_mut().for_each(|f| *f = false);
     }
 
     pub fn rows(&self) -> usize {
@@ -61,16 +50,9 @@ impl Arena {
         self.data.len() + self.row_sums.len() * 8 + self.nonfinite.len() * 4
     }
 
-    /// The writable rows of `slot` for this step; fails if the slot was already written.
+    /// The writable rows of `slot` for this step.
     pub fn target(&mut self, slot: usize, what: &str) -> CoreResult<CaptureTarget<'_>> {
         ensure!(slot < self.slots, ShapeContract, "{what}: slot {slot} does not exist ({} slots)", self.slots);
-        ensure!(
-            !self.filled[slot],
-            ShapeContract,
-            "{what} was captured twice in one step: a decoder layer ran twice in one forward, or two hooks are \
-             registered on it"
-        );
-        self.filled[slot] = true;
         let rb = self.row_bytes();
         let base = slot * self.capacity;
         let rows = self.rows;
@@ -84,29 +66,21 @@ impl Arena {
         })
     }
 
-    /// Slots not written this step.
-    pub fn missing_slots(&self) -> Vec<usize> {
-        (0..self.slots).filter(|&s| !self.filled[s]).collect()
+    pub fn view(&self) -> HostRows<'_> {
+        HostRows { data: &self.data, row_sums: &self.row_sums, nonfinite: &self.nonfinite, capacity: self.capacity, row_bytes: self.row_bytes() }
     }
+}
 
-    pub fn row(&self, slot: usize, row: usize) -> &[u8] {
+impl StepRows for Arena {
+    fn row(&self, slot: usize, row: usize) -> &[u8] {
         let rb = self.row_bytes();
         let o = (slot * self.capacity + row) * rb;
         &self.data[o..o + rb]
     }
-
-    pub fn nonfinite(&self, slot: usize, row: usize) -> u32 {
+    fn nonfinite(&self, slot: usize, row: usize) -> u32 {
         self.nonfinite[slot * self.capacity + row]
     }
-
-    /// The step checksum over every slot and row (see `hscapture_kernels::checksum`).
-    pub fn checksum(&self) -> u64 {
-        let mut acc = 0u64;
-        for s in 0..self.slots {
-            for r in 0..self.rows {
-                acc = acc.wrapping_add(combine_row(self.row_sums[s * self.capacity + r], s, r));
-            }
-        }
-        acc
+    fn row_sum(&self, slot: usize, row: usize) -> u64 {
+        self.row_sums[slot * self.capacity + row]
     }
 }

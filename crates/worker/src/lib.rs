@@ -3,12 +3,16 @@
 //! `hscapture._native` (feature `python`) is a thin layer in `py`.
 
 pub mod arena;
+pub mod assembly;
 pub mod atomic;
+pub mod device;
 pub mod error;
+pub mod gpu;
 pub mod layers;
 pub mod manifest;
 pub mod plan;
 pub mod ranks;
+pub mod rows;
 pub mod safetensors_io;
 pub mod sample;
 pub mod session;

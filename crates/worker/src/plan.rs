@@ -69,10 +69,14 @@ pub struct StepInput {
 }
 
 /// Rows `src_row..src_row+len` of the step are prompt positions `dst_pos..dst_pos+len` of
-/// `req_id`; the step's captured rows are stored at `arena_row..arena_row+len`.
+/// `req_id` (a prompt of `prompt_len` tokens, stored as `sample`); the step's captured rows are
+/// stored at `arena_row..arena_row+len`. Self-contained, so that a step's data can be assembled
+/// after the request has left the tracker.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Segment {
     pub req_id: String,
+    pub sample: SampleKey,
+    pub prompt_len: usize,
     pub src_row: usize,
     pub arena_row: usize,
     pub dst_pos: usize,
@@ -301,7 +305,18 @@ impl Tracker {
                 bail!(Attribution, "step {step}: the runner's order names request {id:?}, which the scheduler did not schedule");
             };
             if cap > 0 {
-                segments.push(Segment { req_id: id.clone(), src_row: src, arena_row: arena, dst_pos: start, len: cap });
+                let Some(t) = self.reqs.get(id) else {
+                    bail!(Attribution, "step {step}: request {id:?} vanished while the step was planned");
+                };
+                segments.push(Segment {
+                    req_id: id.clone(),
+                    sample: t.sample.clone(),
+                    prompt_len: t.prompt_len,
+                    src_row: src,
+                    arena_row: arena,
+                    dst_pos: start,
+                    len: cap,
+                });
                 arena += cap;
             }
             src += n;

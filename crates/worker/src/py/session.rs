@@ -12,7 +12,8 @@ use crate::layers::{CapturePoint, Convention, LayerPlan};
 use crate::plan::{CachedRequest, NewRequest, SampleKey, StepInput};
 use crate::ranks::verify_replicated;
 use crate::sample::Sample;
-use crate::session::{Session, SessionConfig};
+use crate::gpu::CudaDevice;
+use crate::session::{Session, SessionConfig, StepOutcome};
 use crate::writer::{SampleRecord, Writer, WriterConfig};
 
 type NewReqTuple = (String, Vec<i64>, usize, Option<u64>);
@@ -41,6 +42,28 @@ fn key_str(k: &SampleKey) -> String {
     match k {
         SampleKey::Index(i) => i.to_string(),
         SampleKey::Request(r) => r.clone(),
+    }
+}
+
+type OutcomeTuple = (u64, i64, usize, usize);
+
+impl CaptureSession {
+    /// Hands an assembled step's samples to the writer (or keeps them) and reports it.
+    fn take_outcome(&mut self, py: Python<'_>, out: Option<StepOutcome>) -> PyResult<Option<OutcomeTuple>> {
+        let Some(mut out) = out else {
+            return Ok(None);
+        };
+        let completed = out.completed.len();
+        if let Some(w) = self.writer.as_mut() {
+            let samples = std::mem::take(&mut out.completed);
+            // Blocks while the writer's queue is full (backpressure), without holding the GIL.
+            py.detach(|| samples.into_iter().try_for_each(|s| w.submit(s)))?;
+        }
+        for a in &out.aborted {
+            self.aborted.push((a.req_id.clone(), key_str(&a.sample), a.captured, a.prompt_len));
+        }
+        self.samples.extend(out.completed);
+        Ok(Some((out.step, out.checksum as i64, out.rows, completed)))
     }
 }
 
@@ -115,13 +138,14 @@ impl CaptureSession {
     #[pyo3(signature = (new_requests, cached_requests, scheduled, total_tokens, finished, preempted))]
     fn begin_step(
         &mut self,
+        py: Python<'_>,
         new_requests: Vec<NewReqTuple>,
         cached_requests: Vec<CachedReqTuple>,
         scheduled: Vec<(String, usize)>,
         total_tokens: usize,
         finished: Vec<String>,
         preempted: Vec<String>,
-    ) -> PyResult<()> {
+    ) -> PyResult<Option<OutcomeTuple>> {
         guard("begin_step", || {
             let input = StepInput {
                 new_requests: new_requests
@@ -137,7 +161,8 @@ impl CaptureSession {
                 finished,
                 preempted,
             };
-            Ok(self.inner.begin_step(input)?)
+            let out = self.inner.begin_step(input)?;
+            self.take_outcome(py, out)
         })
     }
 
@@ -146,41 +171,58 @@ impl CaptureSession {
         guard("plan", || Ok(self.inner.plan(&order)?.arena_rows))
     }
 
-    /// Captures slot `slot` from a layer's hidden states (+ residual): torch tensors, read in place.
-    #[pyo3(signature = (slot, hidden, residual=None))]
-    fn capture(&mut self, py: Python<'_>, slot: usize, hidden: &Bound<'_, PyAny>, residual: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    /// Captures slot `slot` from a layer's hidden states (+ residual): torch tensors, read in place
+    /// (host) or by the capture kernel enqueued on `stream`, a raw CUDA stream handle (device).
+    #[pyo3(signature = (slot, hidden, residual=None, stream=0))]
+    fn capture(&mut self, py: Python<'_>, slot: usize, hidden: &Bound<'_, PyAny>, residual: Option<&Bound<'_, PyAny>>, stream: u64) -> PyResult<()> {
         guard("capture", || {
             let h = describe(hidden, "hidden states")?;
             let r = residual.map(|r| describe(r, "residual")).transpose()?;
             let inner = &mut self.inner;
             // SAFETY: `hidden` and `residual` are borrowed for this whole call, so their memory stays
             // allocated; vLLM's forward is paused inside the hook that called us, so nothing writes to
-            // it while the GIL is released.
-            py.detach(|| unsafe { inner.capture(slot, &h, r.as_ref()) })?;
+            // it while the GIL is released; device work is enqueued on the stream PyTorch's forward uses,
+            // so it runs before the caching allocator can hand the memory to anything later.
+            py.detach(|| unsafe { inner.capture(slot, &h, r.as_ref(), stream) })?;
             Ok(())
         })
     }
 
-    /// Ends the step. Returns `(step, checksum_as_i64, rows, completed)`.
-    fn end_step(&mut self, py: Python<'_>) -> PyResult<(u64, i64, usize, usize)> {
+    /// Ends the step. Returns `(step, checksum_as_i64, rows, completed)` for a step assembled now
+    /// (host captures), None for a device step (assembled when the next step begins, or at `flush`).
+    fn end_step(&mut self, py: Python<'_>) -> PyResult<Option<OutcomeTuple>> {
         guard("end_step", || {
-            let (inner, writer) = (&mut self.inner, &self.writer);
-            let (out, completed_now) = py.detach(|| -> crate::CoreResult<_> {
-                let mut out = inner.end_step()?;
-                let n = out.completed.len();
-                if let Some(w) = writer {
-                    for s in out.completed.drain(..) {
-                        w.submit(s)?;
-                    }
-                }
-                Ok((out, n))
-            })?;
-            for a in &out.aborted {
-                self.aborted.push((a.req_id.clone(), key_str(&a.sample), a.captured, a.prompt_len));
-            }
-            self.samples.extend(out.completed);
-            Ok((out.step, out.checksum as i64, out.rows, completed_now))
+            let inner = &mut self.inner;
+            let out = py.detach(|| inner.end_step())?;
+            self.take_outcome(py, out)
         })
+    }
+
+    /// Assembles a device step still in flight; same result as `end_step`, None if none is.
+    fn flush(&mut self, py: Python<'_>) -> PyResult<Option<OutcomeTuple>> {
+        guard("flush", || {
+            let inner = &mut self.inner;
+            let out = py.detach(|| inner.flush())?;
+            self.take_outcome(py, out)
+        })
+    }
+
+    /// Captures CUDA tensors on device `ordinal` from now on: compiles the capture kernel (NVRTC) and
+    /// allocates the fixed device arena of `capacity_rows` rows per layer and its pinned host twin.
+    /// Returns the architecture the kernel was built for.
+    fn enable_device(&mut self, py: Python<'_>, ordinal: i32, capacity_rows: usize) -> PyResult<String> {
+        guard("enable_device", || {
+            let cfg = self.inner.config().clone();
+            let dev = py.detach(|| CudaDevice::new(ordinal, cfg.layers.num_slots(), cfg.hidden_size, cfg.out_dtype, capacity_rows))?;
+            let arch = dev.arch().to_string();
+            self.inner.set_device(Box::new(dev));
+            Ok(arch)
+        })
+    }
+
+    #[getter]
+    fn device_bytes(&self) -> usize {
+        self.inner.device_bytes()
     }
 
     /// Prompt rows per request in the planned step, in the runner's order: `[(request_id, rows)]`.
@@ -235,6 +277,15 @@ impl CaptureSession {
             }
         }
         Ok(out)
+    }
+
+    /// Waits until every completed sample is written (the writer keeps running); returns the records
+    /// not yet taken.
+    fn drain<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        if let Some(w) = self.writer.as_ref() {
+            py.detach(|| w.drain())?;
+        }
+        self.take_records(py)
     }
 
     /// Waits for the writer to finish every queued sample; returns the records not yet taken.

@@ -24,6 +24,10 @@ fn step(new_reqs: Vec<NewRequest>, cached_reqs: Vec<CachedRequest>, sched: &[(&s
     }
 }
 
+fn seg(id: &str, sample: SampleKey, prompt_len: usize, src_row: usize, arena_row: usize, dst_pos: usize, len: usize) -> Segment {
+    Segment { req_id: id.into(), sample, prompt_len, src_row, arena_row, dst_pos, len }
+}
+
 fn ids(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
 }
@@ -46,8 +50,8 @@ fn whole_prompts_in_one_step_follow_the_runner_order() {
     assert_eq!(
         plan.segments,
         vec![
-            Segment { req_id: "b".into(), src_row: 0, arena_row: 0, dst_pos: 0, len: 2 },
-            Segment { req_id: "a".into(), src_row: 2, arena_row: 2, dst_pos: 0, len: 3 },
+            seg("b", SampleKey::Index(1), 2, 0, 0, 0, 2),
+            seg("a", SampleKey::Index(0), 3, 2, 2, 0, 3),
         ]
     );
     let ev = t.commit().unwrap();
@@ -64,7 +68,7 @@ fn chunked_prefill_continues_across_steps_next_to_decodes() {
     // Step 2: a decodes one token (position 2 >= prompt 2: not captured), b continues at 3 for 3.
     t.begin_step(step(vec![], vec![cached("a", 2), cached("b", 3)], &[("a", 1), ("b", 3)])).unwrap();
     let plan = t.plan(&ids(&["a", "b"])).unwrap().clone();
-    assert_eq!(plan.segments, vec![Segment { req_id: "b".into(), src_row: 1, arena_row: 0, dst_pos: 3, len: 3 }]);
+    assert_eq!(plan.segments, vec![seg("b", SampleKey::Request("b".into()), 7, 1, 0, 3, 3)]);
     assert!(t.commit().unwrap().is_empty());
     assert_eq!(t.captured("b"), Some(6));
     // Step 3: the last prompt token of b plus... the scheduler gives 2 tokens; only 1 is prompt.
@@ -87,7 +91,7 @@ fn preempted_mid_prefill_starts_over_without_duplicates() {
     s.preempted = vec![];
     t.begin_step(s).unwrap();
     let plan = t.plan(&ids(&["a"])).unwrap().clone();
-    assert_eq!(plan.segments, vec![Segment { req_id: "a".into(), src_row: 0, arena_row: 0, dst_pos: 0, len: 8 }]);
+    assert_eq!(plan.segments, vec![seg("a", SampleKey::Index(4), 8, 0, 0, 0, 8)]);
     let ev = t.commit().unwrap();
     assert_eq!(completed(&ev), vec![("a".into(), SampleKey::Index(4), 8)]);
 }

@@ -33,9 +33,9 @@ fn run_step(s: &mut Session, input: StepInput, order: &[&str], layers: &[usize])
         let h = layer_output(layer, total, 0.0);
         let r = layer_output(layer, total, 0.5);
         // SAFETY: `h` and `r` are live for the call and not written meanwhile.
-        unsafe { s.capture(slot, &desc(&h, total), Some(&desc(&r, total)))? };
+        unsafe { s.capture(slot, &desc(&h, total), Some(&desc(&r, total)), 0)? };
     }
-    s.end_step()
+    Ok(s.end_step()?.unwrap_or_default())
 }
 
 fn req(id: &str, len: usize, sample: u64) -> NewRequest {
@@ -83,7 +83,7 @@ fn chunked_requests_assemble_in_prompt_order() {
     assert_eq!(value(b, 0, 0, 0), 2.0 * 1000.0 + 0.5, "b's first chunk came from step rows 0..3");
     assert_eq!(value(b, 3, 0, 0), 2.0 * (1000.0 + 10.0) + 0.5, "b's second chunk starts at step row 1");
     assert_eq!(s.stats().samples, 2);
-    assert_eq!(s.held_bytes(), s.arena.allocated_bytes(), "no per-request buffer outlives its sample");
+    assert_eq!(s.assembly.held_bytes(), 0, "no per-request buffer outlives its sample");
 }
 
 #[test]
@@ -104,7 +104,7 @@ fn a_missing_layer_is_named() {
     s.plan(&["a".to_string()]).unwrap();
     let h = layer_output(1, 2, 0.0);
     // SAFETY: `h` is live for the call.
-    unsafe { s.capture(0, &desc(&h, 2), None).unwrap() };
+    unsafe { s.capture(0, &desc(&h, 2), None, 0).unwrap() };
     let e = s.end_step().unwrap_err();
     assert_eq!(e.kind, ErrorKind::ShapeContract);
     assert!(e.message.contains("layer id 3"), "{e}");
@@ -119,15 +119,15 @@ fn shape_and_dtype_are_enforced() {
     let h = vec![0f32; 3 * 8];
     let wide = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![3, 8], strides: vec![8, 1], dtype: DType::F32, device: Device::Cpu };
     // SAFETY: `h` is live for the calls below.
-    let e = unsafe { s.capture(0, &wide, None) }.unwrap_err();
+    let e = unsafe { s.capture(0, &wide, None, 0) }.unwrap_err();
     assert!(e.message.contains("expected hidden size 4") && e.message.contains("[3, 8]"), "{e}");
     let short = desc(&h, 2);
     // SAFETY: as above.
-    let e = unsafe { s.capture(0, &short, None) }.unwrap_err();
+    let e = unsafe { s.capture(0, &short, None, 0) }.unwrap_err();
     assert!(e.message.contains("scheduled 3 tokens") && e.message.contains("2 rows"), "{e}");
     let bf = TensorDesc { dtype: DType::BF16, ..desc(&h, 3) };
     // SAFETY: as above.
-    let e = unsafe { s.capture(0, &bf, None) }.unwrap_err();
+    let e = unsafe { s.capture(0, &bf, None, 0) }.unwrap_err();
     assert!(e.message.contains("expected dtype float32, found bfloat16"), "{e}");
 }
 
@@ -140,7 +140,7 @@ fn non_finite_values_name_sample_layer_and_count() {
     h[5] = f32::NAN;
     h[6] = f32::INFINITY;
     // SAFETY: `h` is live for the call.
-    unsafe { s.capture(0, &desc(&h, 3), None).unwrap() };
+    unsafe { s.capture(0, &desc(&h, 3), None, 0).unwrap() };
     let e = s.end_step().unwrap_err();
     assert_eq!(e.kind, ErrorKind::NonFinite);
     assert!(e.message.contains("sample 42") && e.message.contains("layer id 6") && e.message.contains("2 NaN/Inf"), "{e}");
@@ -153,7 +153,124 @@ fn padded_steps_read_only_scheduled_rows() {
     s.plan(&["a".to_string()]).unwrap();
     let h = layer_output(0, 8, 0.0); // padded to 8 rows (CUDA-graph padding)
     // SAFETY: `h` is live for the call.
-    unsafe { s.capture(0, &desc(&h, 8), None).unwrap() };
-    let out = s.end_step().unwrap();
+    unsafe { s.capture(0, &desc(&h, 8), None, 0).unwrap() };
+    let out = s.end_step().unwrap().unwrap();
     assert_eq!(out.completed[0].rows, 3);
+}
+
+
+/// A device stand-in in host memory: "device" tensors are host memory tagged cuda, the kernel is the
+/// CPU twin, and the copy to the host buffer happens at `end_step` (so data is only visible after
+/// `wait`, as with a real device).
+struct HostDevice {
+    slots: usize,
+    cap: usize,
+    runs: Vec<hscapture_kernels::RowRun>,
+    rows: usize,
+    dev: Arena,
+    host: Arena,
+    waits: usize,
+}
+
+impl crate::device::DeviceBackend for HostDevice {
+    fn capacity(&self) -> usize {
+        self.cap
+    }
+    fn allocated(&self) -> (usize, usize) {
+        (self.dev.allocated_bytes(), self.host.allocated_bytes())
+    }
+    fn reset(&mut self, rows: usize, runs: &[hscapture_kernels::RowRun]) -> CoreResult<()> {
+        self.rows = rows;
+        self.runs = runs.to_vec();
+        self.dev.reset(rows);
+        Ok(())
+    }
+    unsafe fn capture(&mut self, slot: usize, hidden: &TensorDesc, residual: Option<&TensorDesc>, _stream: u64) -> CoreResult<()> {
+        let as_cpu = |d: &TensorDesc| TensorDesc { device: Device::Cpu, ..d.clone() };
+        let rows = hidden.rows();
+        // SAFETY: the test's "device" tensors are live host memory.
+        let h = unsafe { as_cpu(hidden).cpu_rows("h", rows)? };
+        // SAFETY: as above.
+        let r = match residual {
+            Some(r) => Some(unsafe { as_cpu(r).cpu_rows("r", rows)? }),
+            None => None,
+        };
+        let mut t = self.dev.target(slot, "x")?;
+        capture_rows(&h, r.as_ref(), &self.runs, &mut t).map_err(|e| crate::core_err!(ShapeContract, "{e}"))
+    }
+    fn end_step(&mut self) -> CoreResult<()> {
+        self.host.reset(self.rows);
+        for s in 0..self.slots {
+            let src = self.dev.target(s, "x")?;
+            let (d, sums, bad) = (src.data.to_vec(), src.row_sums.to_vec(), src.nonfinite.to_vec());
+            let dst = self.host.target(s, "x")?;
+            dst.data.copy_from_slice(&d);
+            dst.row_sums.copy_from_slice(&sums);
+            dst.nonfinite.copy_from_slice(&bad);
+        }
+        Ok(())
+    }
+    fn wait(&mut self) -> CoreResult<&dyn crate::rows::StepRows> {
+        self.waits += 1;
+        Ok(&self.host)
+    }
+}
+
+#[test]
+fn device_steps_are_assembled_when_the_next_step_begins() {
+    let layers = [1usize, 5];
+    let mut host = session(&[5, 1], true);
+    let mut dev = session(&[5, 1], true);
+    dev.set_device(Box::new(HostDevice {
+        slots: 2,
+        cap: 64,
+        runs: vec![],
+        rows: 0,
+        dev: Arena::new(2, H, DType::F32),
+        host: Arena::new(2, H, DType::F32),
+        waits: 0,
+    }));
+    let steps = || {
+        vec![
+            (input(vec![req("a", 2, 0), req("b", 5, 1)], vec![], &[("a", 2), ("b", 3)]), vec!["b", "a"]),
+            (
+                input(
+                    vec![],
+                    vec![
+                        CachedRequest { req_id: "a".into(), num_computed_tokens: 2, resumed: false },
+                        CachedRequest { req_id: "b".into(), num_computed_tokens: 3, resumed: false },
+                    ],
+                    &[("a", 1), ("b", 2)],
+                ),
+                vec!["a", "b"],
+            ),
+        ]
+    };
+    let mut host_out = Vec::new();
+    for (inp, order) in steps() {
+        host_out.push(run_step(&mut host, inp, &order, &layers).unwrap());
+    }
+    let mut dev_out = Vec::new();
+    for (inp, order) in steps() {
+        let total = inp.total_tokens;
+        if let Some(o) = dev.begin_step(inp).unwrap() {
+            dev_out.push(o);
+        }
+        dev.plan(&order.iter().map(|x| x.to_string()).collect::<Vec<_>>()).unwrap();
+        for (slot, &layer) in layers.iter().enumerate() {
+            let h = layer_output(layer, total, 0.0);
+            let r = layer_output(layer, total, 0.5);
+            let tag = |d: TensorDesc| TensorDesc { device: Device::Cuda(0), ..d };
+            // SAFETY: `h` and `r` are live for the call; the stand-in device copies them at once.
+            unsafe { dev.capture(slot, &tag(desc(&h, total)), Some(&tag(desc(&r, total))), 0).unwrap() };
+        }
+        assert!(dev.end_step().unwrap().is_none(), "device steps are not assembled at end_step");
+    }
+    dev_out.push(dev.flush().unwrap().expect("the last step is assembled at flush"));
+    assert!(dev.flush().unwrap().is_none());
+    assert_eq!(dev_out.len(), 2);
+    for (a, b) in host_out.iter().zip(&dev_out) {
+        assert_eq!((a.step, a.checksum, a.rows), (b.step, b.checksum, b.rows));
+        assert_eq!(a.completed, b.completed, "same samples, byte for byte");
+    }
 }

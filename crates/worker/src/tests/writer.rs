@@ -19,10 +19,16 @@ fn writes_every_sample_once() {
     let d = tempfile::tempdir().unwrap();
     let cfg = WriterConfig { root: d.path().into(), threads: 3, queue: 2, durable: false, metadata: HashMap::new() };
     let mut w = Writer::start(cfg).unwrap();
-    for i in 0..20 {
+    for i in 0..10 {
         w.submit(sample(i)).unwrap();
     }
-    let mut recs = w.finish().unwrap();
+    w.drain().unwrap();
+    let mut recs = w.take_records();
+    assert_eq!(recs.len(), 10, "drain waits for every submitted sample");
+    for i in 10..20 {
+        w.submit(sample(i)).unwrap();
+    }
+    recs.extend(w.finish().unwrap());
     recs.sort_by_key(|r| r.index);
     assert_eq!(recs.len(), 20);
     assert_eq!(recs[7].file, "hidden_states/hs_7.safetensors");

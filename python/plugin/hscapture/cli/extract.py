@@ -51,6 +51,7 @@ class ExtractReport:
     convention: str
     dtype: str
     shims: list[str]
+    device_path: str = "none"
 
     @property
     def tokens_per_s(self) -> float:
@@ -181,6 +182,7 @@ def run_extract(opts: ExtractOptions) -> ExtractReport:
         convention=w["convention"],
         dtype=w["dtype"],
         shims=shims,
+        device_path=w.get("device_path", "none"),
     )
 
 

@@ -1,0 +1,117 @@
+"""GPU benchmark (run on the H200 with vLLM 0.23): plain prefill vs hscapture vs vLLM's own
+extract_hidden_states vs a speculators-style Python capture, side by side in one invocation.
+
+    python3 bench/gpu.py --models llama8b,dsv3 --prompts 128 --batch 16 --length 1024 --rounds 2
+
+Each (model, mode) runs in its own process (bench/gpu_run.py); modes alternate per model. Prints
+tokens/s, each ratio to plain prefill, and the ceilings measured in the same invocation (D2H into
+pinned memory, local-disk write with fdatasync). Random weights (load_format="dummy"), bf16, eager,
+`max_tokens=1`. Capture files go to --out (page cache) except `hscapture_durable` (fsync per file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+SHAPES = {
+    # Llama-3-8B shape: hidden 4096, 32 layers
+    "llama8b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+                "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+                "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001},
+    # DeepSeek-V3 shape, 8 layers: hidden 7168, MLA, 64 routed experts + 1 shared, sigmoid noaux_tc routing
+    "dsv3": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+             "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 8,
+             "first_k_dense_replace": 1, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+             "n_routed_experts": 64, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+             "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+             "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
+             "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True, "tie_word_embeddings": False,
+             "bos_token_id": 0, "eos_token_id": 1},
+}
+LAYERS = {"llama8b": "2,16,28,30", "dsv3": "1,3,5,6"}  # after-convention ids (vLLM's own path gets id+1)
+
+
+def d2h_ceiling() -> float:
+    import torch
+
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return 5 * n / (time.perf_counter() - t) / 1e9
+
+
+def disk_ceiling(path: Path, gib: int = 2) -> float:
+    f = path / "ddtest.bin"
+    block = os.urandom(1 << 24)
+    t = time.perf_counter()
+    with open(f, "wb") as fh:
+        for _ in range(gib * 64):
+            fh.write(block)
+        fh.flush()
+        os.fdatasync(fh.fileno())
+    dt = time.perf_counter() - t
+    f.unlink()
+    return gib * (1 << 30) / dt / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="llama8b,dsv3")
+    ap.add_argument("--modes", default="plain,hscapture,vllm,python")
+    ap.add_argument("--prompts", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--length", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default="/tmp/hsbench")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"D2H into pinned memory: {d2h_ceiling():.1f} GB/s; disk write with fdatasync: {disk_ceiling(out):.2f} GB/s", flush=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    for name in args.models.split(","):
+        mdir = out / f"model-{name}"
+        mdir.mkdir(exist_ok=True)
+        (mdir / "config.json").write_text(json.dumps(SHAPES[name], indent=1))
+        results = {}
+        for mode in args.modes.split(","):
+            run_out = out / f"run-{name}-{mode}"
+            subprocess.run(["rm", "-rf", str(run_out)])
+            cmd = [sys.executable, str(HERE / "gpu_run.py"), mode, str(mdir), str(run_out), str(args.prompts), str(args.batch),
+                   str(args.length), LAYERS[name], str(args.rounds)]
+            t = time.perf_counter()
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            line = [ln for ln in r.stdout.splitlines() if ln.startswith("BENCH_JSON ")]
+            if r.returncode != 0 or not line:
+                tail = "\n".join((r.stdout + r.stderr).splitlines()[-25:])
+                print(f"[{name}/{mode}] FAILED after {time.perf_counter() - t:.0f} s:\n{tail}", flush=True)
+                continue
+            res = json.loads(line[-1][len("BENCH_JSON "):])
+            results[mode] = res
+            du = subprocess.run(["du", "-sb", str(run_out)], capture_output=True, text=True).stdout.split()
+            res["bytes"] = int(du[0]) if du else 0
+            print(f"[{name}/{mode}] {res['tokens'] / res['seconds']:,.0f} tok/s (rounds {', '.join(f'{x:.2f}' for x in res['rounds'])} s; "
+                  f"{res['bytes'] / 2**30:.2f} GiB on disk{'; path ' + res['device_path'] if 'device_path' in res else ''}; "
+                  f"process {time.perf_counter() - t:.0f} s)", flush=True)
+            subprocess.run(["rm", "-rf", str(run_out)])
+        if "plain" in results:
+            base = results["plain"]["tokens"] / results["plain"]["seconds"]
+            print(f"== {name}: " + ", ".join(f"{m} {r['tokens'] / r['seconds'] / base:.3f}x" for m, r in results.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""One benchmark run (a fresh process per run): MODE MODEL_DIR OUT_DIR PROMPTS BATCH LENGTH LAYERS [ROUNDS]
+Prints one JSON line: tokens, seconds (best round), per-round figures. See bench/gpu.py."""
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # hscapture reads the V1 runner's order; every mode runs V1
+
+if __name__ == "__main__":
+    mode, model, out, n_prompts, batch, length, layers = sys.argv[1:8]
+    rounds = int(sys.argv[8]) if len(sys.argv) > 8 else 2
+    n_prompts, batch, length = int(n_prompts), int(batch), int(length)
+    ids = [int(x) for x in layers.split(",")]
+    import random
+
+    from vllm import LLM, SamplingParams
+
+    kw = dict(model=model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+              max_model_len=length + 16, max_num_seqs=batch, max_num_batched_tokens=batch * length,
+              gpu_memory_utilization=0.85, enable_prefix_caching=False, seed=0)
+    if mode.startswith("hscapture"):
+        kw["worker_cls"] = "hscapture.worker.CaptureWorker"
+        kw["additional_config"] = {"hscapture": {"layers": ids, "convention": "after", "out": out,
+                                                 "durable": mode == "hscapture_durable", "writer_threads": 8,
+                                                 "writer_queue": 64}}
+    elif mode == "python":
+        os.environ["HSBENCH_LAYERS"], os.environ["HSBENCH_OUT"] = layers, out
+        kw["worker_cls"] = "py_capture_worker.PyCaptureWorker"
+    elif mode == "vllm":
+        kw["speculative_config"] = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids]}}}
+        kw["kv_transfer_config"] = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                                    "kv_connector_extra_config": {"shared_storage_path": out}}
+        kw["enable_chunked_prefill"] = False
+    llm = LLM(**kw)
+    cfg = json.load(open(os.path.join(model, "config.json")))
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(10, cfg["vocab_size"]) for _ in range(length)]} for _ in range(n_prompts)]
+    sp = SamplingParams(max_tokens=1, detokenize=False)
+    llm.generate(prompts[:batch], sp, use_tqdm=False)  # warm-up
+    if mode.startswith("hscapture"):
+        llm.collective_rpc("hscapture_drain")
+    per = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        if mode.startswith("hscapture"):
+            res = [r for r in llm.collective_rpc("hscapture_drain") if r and r.get("writer")]
+            path = res[0]["device_path"] if res else "?"
+        per.append(time.perf_counter() - t0)
+    info = {"mode": mode, "tokens": n_prompts * length, "seconds": min(per), "rounds": per}
+    if mode.startswith("hscapture"):
+        info["device_path"] = path
+    print("BENCH_JSON " + json.dumps(info), flush=True)

@@ -1,0 +1,108 @@
+//! Assembly: a planned step's captured rows, once in host memory, checked (finite values) and
+//! scattered into per-request samples (`[L, n_slots, H]`); completed samples handed out.
+
+use std::collections::{HashMap, HashSet};
+
+use crate::plan::{Event, SampleKey, StepPlan};
+use crate::rows::{step_checksum, StepRows};
+use crate::sample::Sample;
+use crate::session::{SessionConfig, SessionStats, StepOutcome};
+use crate::{bail, ensure, error::CoreResult};
+
+#[derive(Default)]
+pub struct Assembly {
+    bufs: HashMap<String, Vec<u8>>,
+    emitted: HashSet<SampleKey>,
+    pub stats: SessionStats,
+}
+
+fn slot_name(cfg: &SessionConfig, slot: usize) -> String {
+    let id = cfg.layers.ids.get(slot).copied().unwrap_or(usize::MAX);
+    format!("layer id {id} ({} convention, slot {slot})", cfg.layers.convention.name())
+}
+
+impl Assembly {
+    /// Bytes held by requests whose prompt is not complete yet.
+    pub fn held_bytes(&self) -> usize {
+        self.bufs.values().map(Vec::len).sum()
+    }
+
+    /// Drops a request's partial sample (it ended before its prompt was complete).
+    pub fn drop_request(&mut self, req_id: &str) {
+        self.bufs.remove(req_id);
+    }
+
+    fn check_finite(cfg: &SessionConfig, plan: &StepPlan, rows: &dyn StepRows) -> CoreResult<()> {
+        for slot in 0..cfg.layers.num_slots() {
+            for seg in &plan.segments {
+                let counts: Vec<u32> = (0..seg.len).map(|k| rows.nonfinite(slot, seg.arena_row + k)).collect();
+                let bad: u64 = counts.iter().map(|&c| u64::from(c)).sum();
+                if bad > 0 {
+                    let first = counts.iter().position(|&c| c > 0).unwrap_or(0);
+                    bail!(
+                        NonFinite,
+                        "{} (request {:?}), {}: {bad} NaN/Inf values in prompt positions {}..{} (first at position {}), \
+                         shape [{}, {}] {}; the model produced non-finite activations — check the weights and the dtype \
+                         (float16 overflows where bfloat16 does not)",
+                        seg.sample,
+                        seg.req_id,
+                        slot_name(cfg, slot),
+                        seg.dst_pos,
+                        seg.dst_pos + seg.len,
+                        seg.dst_pos + first,
+                        seg.len,
+                        cfg.hidden_size,
+                        cfg.out_dtype
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Absorbs a step: checks, checksums, scatters (when this rank assembles) and completes samples.
+    pub fn absorb(&mut self, cfg: &SessionConfig, plan: &StepPlan, events: Vec<Event>, rows: &dyn StepRows) -> CoreResult<StepOutcome> {
+        let slots = cfg.layers.num_slots();
+        Self::check_finite(cfg, plan, rows)?;
+        let mut out = StepOutcome { step: plan.step, checksum: step_checksum(rows, slots, plan.arena_rows), rows: plan.arena_rows, ..Default::default() };
+        let rb = cfg.hidden_size * cfg.out_dtype.size();
+        if cfg.assemble {
+            for seg in &plan.segments {
+                let buf = self.bufs.entry(seg.req_id.clone()).or_insert_with(|| vec![0u8; seg.prompt_len * slots * rb]);
+                for k in 0..seg.len {
+                    let pos = seg.dst_pos + k;
+                    for s in 0..slots {
+                        let o = (pos * slots + s) * rb;
+                        buf[o..o + rb].copy_from_slice(rows.row(s, seg.arena_row + k));
+                    }
+                }
+            }
+        }
+        for e in events {
+            if let Event::Completed { req_id, sample, token_ids } = e {
+                ensure!(
+                    self.emitted.insert(sample.clone()),
+                    Output,
+                    "{sample} was completed twice in this run: two prompts carry the same sample index"
+                );
+                self.stats.samples += 1;
+                if !cfg.assemble {
+                    continue;
+                }
+                let data = self.bufs.remove(&req_id).unwrap_or_default();
+                let (rows_n, width) = (token_ids.len(), cfg.hidden_size);
+                ensure!(
+                    data.len() == rows_n * slots * width * cfg.out_dtype.size(),
+                    ShapeContract,
+                    "{sample}: assembled {} bytes, expected [{rows_n}, {slots}, {width}] {}",
+                    data.len(),
+                    cfg.out_dtype
+                );
+                out.completed.push(Sample { key: sample, req_id, token_ids, data, rows: rows_n, slots, width, dtype: cfg.out_dtype });
+            }
+        }
+        self.stats.steps += 1;
+        self.stats.rows += out.rows as u64;
+        Ok(out)
+    }
+}

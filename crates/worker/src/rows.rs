@@ -1,0 +1,45 @@
+//! A step's captured rows as the host sees them once they are in host memory: the CPU arena, or the
+//! pinned buffer a device copied them into. Both use the same layout: `[slot][capacity][width]` rows
+//! in the output dtype, plus a checksum and a non-finite count per row.
+
+use hscapture_kernels::combine_row;
+
+pub trait StepRows {
+    /// Bytes of row `row` of slot `slot`.
+    fn row(&self, slot: usize, row: usize) -> &[u8];
+    fn nonfinite(&self, slot: usize, row: usize) -> u32;
+    fn row_sum(&self, slot: usize, row: usize) -> u64;
+}
+
+/// The step checksum over `slots` slots of `rows` rows (see `hscapture_kernels::checksum`).
+pub fn step_checksum(rows_view: &dyn StepRows, slots: usize, rows: usize) -> u64 {
+    let mut acc = 0u64;
+    for s in 0..slots {
+        for r in 0..rows {
+            acc = acc.wrapping_add(combine_row(rows_view.row_sum(s, r), s, r));
+        }
+    }
+    acc
+}
+
+/// Borrowed host memory in the shared layout.
+pub struct HostRows<'a> {
+    pub data: &'a [u8],
+    pub row_sums: &'a [u64],
+    pub nonfinite: &'a [u32],
+    pub capacity: usize,
+    pub row_bytes: usize,
+}
+
+impl StepRows for HostRows<'_> {
+    fn row(&self, slot: usize, row: usize) -> &[u8] {
+        let o = (slot * self.capacity + row) * self.row_bytes;
+        &self.data[o..o + self.row_bytes]
+    }
+    fn nonfinite(&self, slot: usize, row: usize) -> u32 {
+        self.nonfinite[slot * self.capacity + row]
+    }
+    fn row_sum(&self, slot: usize, row: usize) -> u64 {
+        self.row_sums[slot * self.capacity + row]
+    }
+}

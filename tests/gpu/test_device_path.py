@@ -1,0 +1,152 @@
+"""The CUDA capture path against its CPU twin, bit for bit, through the whole session: random plans,
+chunking, residuals, all dtype pairs, NaN/Inf, checksums; plus a leak check."""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+import torch
+
+from hscapture import NonFiniteError, _native
+from hscapture.cuda_libs import preload_nvrtc
+from hscapture.vllm_compat import step_args
+
+pytestmark = pytest.mark.gpu
+H = 1000  # not a multiple of the block size: exercises the strided tail
+
+
+def sched(new=(), cached=(), n=None, finished=()):
+    from types import SimpleNamespace as NS
+
+    cached = list(cached)
+    return NS(scheduled_new_reqs=list(new),
+              scheduled_cached_reqs=NS(req_ids=[c[0] for c in cached], num_computed_tokens=[c[1] for c in cached],
+                                       resumed_req_ids=set()),
+              num_scheduled_tokens=dict(n or {}), total_num_scheduled_tokens=sum((n or {}).values()),
+              finished_req_ids=set(finished), preempted_req_ids=set())
+
+
+def new_req(rid, length, sample):
+    from types import SimpleNamespace as NS
+
+    return NS(req_id=rid, prompt_token_ids=list(range(length)), num_computed_tokens=0,
+              sampling_params=NS(extra_args={"hscapture_sample": sample}))
+
+
+def make_steps(seed: int, n_req: int = 12, budget: int = 96):
+    """A random schedule: requests of random lengths, chunked prefill under a token budget, random
+    runner order, decode tokens of finished prompts mixed in."""
+    rng = random.Random(seed)
+    lengths = {f"r{i}": rng.randint(1, 150) for i in range(n_req)}
+    done = {r: 0 for r in lengths}
+    announced: set[str] = set()
+    steps = []
+    while any(done[r] < lengths[r] for r in lengths):
+        n, new, cached, left = {}, [], [], budget
+        for r in lengths:
+            if left == 0:
+                break
+            if done[r] >= lengths[r]:
+                if r in announced and rng.random() < 0.3:
+                    n[r], left = 1, left - 1  # a decode token
+                    cached.append((r, done[r]))
+                continue
+            k = min(left, lengths[r] - done[r], rng.randint(1, 64))
+            n[r], left = k, left - k
+            (cached.append((r, done[r])) if r in announced else new.append(new_req(r, lengths[r], int(r[1:]))))
+            announced.add(r)
+        for r, k in n.items():
+            done[r] = min(lengths[r], done[r] + k) if done[r] < lengths[r] else done[r]
+        order = list(n)
+        rng.shuffle(order)
+        steps.append((sched(new=new, cached=cached, n=n), order))
+    return steps
+
+
+def run(session, steps, tensors, device: bool):
+    outcomes = []
+    for so, order in steps:
+        o = session.begin_step(*step_args(so))
+        outcomes.append(o)
+        session.plan(order)
+        for slot in range(len(session.layer_ids)):
+            h, r = tensors(so.total_num_scheduled_tokens, slot)
+            if device:
+                h, r = h.cuda(), (r.cuda() if r is not None else None)
+                session.capture(slot, h, r, torch.cuda.current_stream().cuda_stream)
+            else:
+                session.capture(slot, h, r)
+        outcomes.append(session.end_step())
+    outcomes.append(session.flush())
+    return [o for o in outcomes if o is not None], {d["sample"]: d for d in session.take_samples()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nvrtc():
+    preload_nvrtc()
+
+
+@pytest.mark.parametrize("in_dtype,out_dtype", [(a, b) for a in ("float32", "bfloat16", "float16") for b in ("float32", "bfloat16", "float16")])
+@pytest.mark.parametrize("residual", [True, False])
+def test_device_equals_cpu_twin_bit_for_bit(in_dtype, out_dtype, residual):
+    steps = make_steps(seed=zlib.crc32(f"{in_dtype}{out_dtype}{residual}".encode()) % 1000)
+    gen = torch.Generator().manual_seed(0)
+    cache: dict = {}
+
+    def tensors(rows, slot):
+        key = (len(cache), rows, slot)
+        if key not in cache:
+            h = (torch.randn(rows + 3, H, generator=gen) * 30).to(getattr(torch, in_dtype))[:rows]  # padded rows
+            r = (torch.randn(rows + 3, H, generator=gen) * 30).to(getattr(torch, in_dtype))[:rows] if residual else None
+            cache[key] = (h, r)
+        return cache[key]
+
+    def session():
+        return _native.CaptureSession([1, 4, 7], "after", 8, H, in_dtype, out_dtype, assemble=True)
+
+    cpu = session()
+    seq = []
+    orig = tensors
+
+    def record(rows, slot):
+        t = orig(rows, slot)
+        seq.append(t)
+        return t
+
+    cpu_out, cpu_samples = run(cpu, steps, record, device=False)
+    it = iter(seq)
+    dev = session()
+    dev.enable_device(torch.cuda.current_device(), 128)
+    dev_out, dev_samples = run(dev, steps, lambda rows, slot: next(it), device=True)
+    assert cpu_out == dev_out, "step checksums (and rows) differ between the kernel and its CPU twin"
+    assert sorted(cpu_samples) == sorted(dev_samples)
+    for k in cpu_samples:
+        assert cpu_samples[k]["data"] == dev_samples[k]["data"], f"sample {k} differs"
+
+
+def test_non_finite_values_are_reported_from_the_device():
+    s = _native.CaptureSession([2], "after", 4, H, "float16", "float16", assemble=True)
+    s.enable_device(torch.cuda.current_device(), 64)
+    s.begin_step(*step_args(sched(new=[new_req("a", 4, 9)], n={"a": 4})))
+    s.plan(["a"])
+    h = torch.zeros(4, H, dtype=torch.float16, device="cuda")
+    h[2, 5] = 60000.0
+    s.capture(0, h, h.clone(), torch.cuda.current_stream().cuda_stream)  # 60000 + 60000 overflows float16
+    s.end_step()
+    with pytest.raises(NonFiniteError, match=r"sample 9 .*layer id 2.*1 NaN/Inf .*first at position 2"):
+        s.flush()
+
+
+def test_no_device_memory_leaks():
+    torch.cuda.synchronize()
+    free0, _ = torch.cuda.mem_get_info()
+    for _ in range(20):
+        s = _native.CaptureSession([1, 2, 3, 4], "after", 8, 4096, "bfloat16", "bfloat16", assemble=True)
+        s.enable_device(torch.cuda.current_device(), 8192)
+        assert s.device_bytes >= 4 * 8192 * 4096 * 2
+        del s
+    torch.cuda.synchronize()
+    free1, _ = torch.cuda.mem_get_info()
+    assert abs(free1 - free0) < 64 << 20, f"device memory changed by {(free0 - free1) / 2**20:.0f} MiB over 20 sessions"

@@ -1,0 +1,31 @@
+"""The whole path on a GPU with real vLLM: capture through the CUDA device path equals HF transformers
+token by token (float32), chunked prefill forced, several prompts; and the device path was the one used."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.gpu
+
+
+def test_gpu_capture_matches_transformers(tmp_path, tiny_model, monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    monkeypatch.setenv("HSCAPTURE_DEVICE_PATH", "required")
+    from hscapture import load_sample, reference
+    from hscapture.cli.extract import ExtractOptions, run_extract
+    from hscapture.compare import compare
+
+    model = tiny_model("llama")
+    rng = random.Random(3)
+    ps = [[rng.randrange(4, 1024) for _ in range(n)] for n in (5, 40, 77, 12, 64, 1, 130)]
+    rep = run_extract(ExtractOptions(model=model, prompts=ps, out=str(tmp_path / "out"), convention="before",
+                                     layers=[0, 2, 4], tp=1, dtype="float32", max_num_batched_tokens=48,
+                                     progress=False, durable=False,
+                                     llm_kwargs={"gpu_memory_utilization": 0.3, "max_num_seqs": 8}))
+    assert rep.samples == len(ps) and rep.device_path == "device"
+    ours = [load_sample(tmp_path / "out" / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"] for i in range(len(ps))]
+    cmp = compare(ours, reference.compute(model, ps, rep.layer_ids, "before"))
+    assert cmp.ok(1e-3), f"worst relative error {cmp.worst:.2e} at {cmp.where}"

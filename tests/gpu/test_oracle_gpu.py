@@ -1,5 +1,8 @@
 """The whole path on a GPU with real vLLM: capture through the CUDA device path equals HF transformers
-token by token (float32), chunked prefill forced, several prompts; and the device path was the one used."""
+token by token (float32), chunked prefill forced, several prompts; and the device path was the one used.
+
+Tolerance 5e-3 (CPU oracle tests: 1e-3): vLLM's Triton attention computes float32 dot products in TF32
+on the GPU. A shifted layer must still be far outside it."""
 
 from __future__ import annotations
 
@@ -28,4 +31,7 @@ def test_gpu_capture_matches_transformers(tmp_path, tiny_model, monkeypatch):
     assert rep.samples == len(ps) and rep.device_path == "device"
     ours = [load_sample(tmp_path / "out" / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"] for i in range(len(ps))]
     cmp = compare(ours, reference.compute(model, ps, rep.layer_ids, "before"))
-    assert cmp.ok(1e-3), f"worst relative error {cmp.worst:.2e} at {cmp.where}"
+    print(f"GPU_ORACLE worst relative error {cmp.worst:.2e} at {cmp.where}")
+    assert cmp.ok(5e-3), f"worst relative error {cmp.worst:.2e} at {cmp.where}"
+    shifted = compare(ours, reference.compute(model, ps, [i + 1 for i in rep.layer_ids[:-1]] + [rep.layer_ids[-1]], "before"))
+    assert shifted.worst > 0.05, f"a shifted layer passed ({shifted.worst:.2e})"

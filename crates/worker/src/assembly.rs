@@ -2,18 +2,37 @@
 //! scattered into per-request samples (`[L, n_slots, H]`); completed samples handed out.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
-use crate::plan::{Event, SampleKey, StepPlan};
+use crate::plan::{Event, SampleKey, Segment, StepPlan};
+use crate::pool::BufferPool;
 use crate::rows::{step_checksum, StepRows};
 use crate::sample::Sample;
 use crate::session::{SessionConfig, SessionStats, StepOutcome};
 use crate::{bail, ensure, error::CoreResult};
 
-#[derive(Default)]
 pub struct Assembly {
     bufs: HashMap<String, Vec<u8>>,
     emitted: HashSet<SampleKey>,
     pub stats: SessionStats,
+    pub pool: Arc<BufferPool>,
+}
+
+impl Default for Assembly {
+    fn default() -> Self {
+        Assembly { bufs: HashMap::new(), emitted: HashSet::new(), stats: SessionStats::default(), pool: Arc::new(BufferPool::new(256)) }
+    }
+}
+
+/// Copies a segment's rows of every slot into its request's buffer (`[L, slots, width]`).
+fn scatter_segment(seg: &Segment, buf: &mut [u8], rows: &dyn StepRows, slots: usize, rb: usize) {
+    for k in 0..seg.len {
+        let pos = seg.dst_pos + k;
+        for s in 0..slots {
+            let o = (pos * slots + s) * rb;
+            buf[o..o + rb].copy_from_slice(rows.row(s, seg.arena_row + k));
+        }
+    }
 }
 
 fn slot_name(cfg: &SessionConfig, slot: usize) -> String {
@@ -29,7 +48,9 @@ impl Assembly {
 
     /// Drops a request's partial sample (it ended before its prompt was complete).
     pub fn drop_request(&mut self, req_id: &str) {
-        self.bufs.remove(req_id);
+        if let Some(b) = self.bufs.remove(req_id) {
+            self.pool.put(b);
+        }
     }
 
     fn check_finite(cfg: &SessionConfig, plan: &StepPlan, rows: &dyn StepRows) -> CoreResult<()> {
@@ -60,23 +81,48 @@ impl Assembly {
         Ok(())
     }
 
+    /// Scatters a step's rows into the requests' buffers, in parallel over requests (each segment
+    /// writes only its own request's buffer) when the step is large.
+    fn scatter(&mut self, plan: &StepPlan, rows: &(dyn StepRows + Sync), slots: usize, rb: usize) {
+        let mut work: Vec<(&Segment, Vec<u8>)> = plan
+            .segments
+            .iter()
+            .map(|seg| {
+                let buf = self.bufs.remove(&seg.req_id).unwrap_or_else(|| self.pool.get(seg.prompt_len * slots * rb));
+                (seg, buf)
+            })
+            .collect();
+        let bytes = plan.arena_rows * slots * rb;
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8).min(work.len());
+        if threads <= 1 || bytes < (8 << 20) {
+            for (seg, buf) in &mut work {
+                scatter_segment(seg, buf, rows, slots, rb);
+            }
+        } else {
+            let per = work.len().div_ceil(threads);
+            std::thread::scope(|sc| {
+                for chunk in work.chunks_mut(per) {
+                    sc.spawn(move || {
+                        for (seg, buf) in chunk.iter_mut() {
+                            scatter_segment(seg, buf, rows, slots, rb);
+                        }
+                    });
+                }
+            });
+        }
+        for (seg, buf) in work {
+            self.bufs.insert(seg.req_id.clone(), buf);
+        }
+    }
+
     /// Absorbs a step: checks, checksums, scatters (when this rank assembles) and completes samples.
-    pub fn absorb(&mut self, cfg: &SessionConfig, plan: &StepPlan, events: Vec<Event>, rows: &dyn StepRows) -> CoreResult<StepOutcome> {
+    pub fn absorb(&mut self, cfg: &SessionConfig, plan: &StepPlan, events: Vec<Event>, rows: &(dyn StepRows + Sync)) -> CoreResult<StepOutcome> {
         let slots = cfg.layers.num_slots();
         Self::check_finite(cfg, plan, rows)?;
         let mut out = StepOutcome { step: plan.step, checksum: step_checksum(rows, slots, plan.arena_rows), rows: plan.arena_rows, ..Default::default() };
         let rb = cfg.hidden_size * cfg.out_dtype.size();
         if cfg.assemble {
-            for seg in &plan.segments {
-                let buf = self.bufs.entry(seg.req_id.clone()).or_insert_with(|| vec![0u8; seg.prompt_len * slots * rb]);
-                for k in 0..seg.len {
-                    let pos = seg.dst_pos + k;
-                    for s in 0..slots {
-                        let o = (pos * slots + s) * rb;
-                        buf[o..o + rb].copy_from_slice(rows.row(s, seg.arena_row + k));
-                    }
-                }
-            }
+            self.scatter(plan, rows, slots, rb);
         }
         for e in events {
             if let Event::Completed { req_id, sample, token_ids } = e {

@@ -28,5 +28,5 @@ pub trait DeviceBackend: Send + Sync {
     /// Marks the end of the step's copies.
     fn end_step(&mut self) -> CoreResult<()>;
     /// Waits for the step's copies and returns its rows in host memory.
-    fn wait(&mut self) -> CoreResult<&dyn StepRows>;
+    fn wait(&mut self) -> CoreResult<&(dyn StepRows + Sync)>;
 }

@@ -236,7 +236,7 @@ impl DeviceBackend for CudaDevice {
         Ok(())
     }
 
-    fn wait(&mut self) -> CoreResult<&dyn StepRows> {
+    fn wait(&mut self) -> CoreResult<&(dyn StepRows + Sync)> {
         if self.in_flight {
             self.kernel.bind().map_err(kerr)?;
             let ev = self.copies_done;

@@ -11,6 +11,7 @@ pub mod gpu;
 pub mod layers;
 pub mod manifest;
 pub mod plan;
+pub mod pool;
 pub mod ranks;
 pub mod rows;
 pub mod safetensors_io;

@@ -111,6 +111,11 @@ impl Session {
         &self.assembly.stats
     }
 
+    /// The pool sample buffers come from; the writer returns them there.
+    pub fn pool(&self) -> std::sync::Arc<crate::pool::BufferPool> {
+        std::sync::Arc::clone(&self.assembly.pool)
+    }
+
     pub fn tracker(&self) -> &Tracker {
         &self.tracker
     }

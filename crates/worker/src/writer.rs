@@ -14,6 +14,7 @@ use crossbeam_channel::{bounded, Sender};
 use serde::{Deserialize, Serialize};
 
 use crate::plan::SampleKey;
+use crate::pool::BufferPool;
 use crate::safetensors_io::write_sample_file;
 use crate::sample::{content_checksum, Sample};
 use crate::{core_err, error::CoreError, error::CoreResult};
@@ -30,6 +31,8 @@ pub struct WriterConfig {
     pub durable: bool,
     /// Metadata stored in every file's safetensors header.
     pub metadata: HashMap<String, String>,
+    /// Where written samples' buffers go back for reuse.
+    pub pool: Option<Arc<BufferPool>>,
 }
 
 /// One written sample, as the manifest records it.
@@ -100,7 +103,7 @@ impl Writer {
         let state = Arc::new(State::default());
         let mut handles = Vec::new();
         for t in 0..cfg.threads.max(1) {
-            let (rx, state, dir, meta) = (rx.clone(), Arc::clone(&state), dir.clone(), cfg.metadata.clone());
+            let (rx, state, dir, meta, pool) = (rx.clone(), Arc::clone(&state), dir.clone(), cfg.metadata.clone(), cfg.pool.clone());
             let durable = cfg.durable;
             let h = std::thread::Builder::new()
                 .name(format!("hscapture-writer-{t}"))
@@ -108,6 +111,9 @@ impl Writer {
                     for sample in rx.iter() {
                         let r = catch_unwind(AssertUnwindSafe(|| write_one(&dir, &sample, &meta, durable)))
                             .unwrap_or_else(|_| Err(core_err!(Output, "the writer thread panicked while writing {}", sample.key)));
+                        if let Some(p) = &pool {
+                            p.put(sample.data);
+                        }
                         let mut g = lock(&state.shared);
                         match r {
                             Ok(rec) => g.records.push(rec),

@@ -97,11 +97,19 @@ impl CaptureSession {
                 out_dtype: parse_dtype(out_dtype, "output dtype")?,
                 assemble,
             };
+            let inner = Session::new(cfg)?;
             let writer = match (assemble, out_dir) {
-                (true, Some(root)) => Some(Writer::start(WriterConfig { root, threads: writer_threads, queue: writer_queue, durable, metadata })?),
+                (true, Some(root)) => Some(Writer::start(WriterConfig {
+                    root,
+                    threads: writer_threads,
+                    queue: writer_queue,
+                    durable,
+                    metadata,
+                    pool: Some(inner.pool()),
+                })?),
                 _ => None,
             };
-            Ok(CaptureSession { inner: Session::new(cfg)?, writer, samples: Vec::new(), aborted: Vec::new() })
+            Ok(CaptureSession { inner, writer, samples: Vec::new(), aborted: Vec::new() })
         })
     }
 

@@ -210,7 +210,7 @@ impl crate::device::DeviceBackend for HostDevice {
         }
         Ok(())
     }
-    fn wait(&mut self) -> CoreResult<&dyn crate::rows::StepRows> {
+    fn wait(&mut self) -> CoreResult<&(dyn crate::rows::StepRows + Sync)> {
         self.waits += 1;
         Ok(&self.host)
     }
@@ -272,5 +272,46 @@ fn device_steps_are_assembled_when_the_next_step_begins() {
     for (a, b) in host_out.iter().zip(&dev_out) {
         assert_eq!((a.step, a.checksum, a.rows), (b.step, b.checksum, b.rows));
         assert_eq!(a.completed, b.completed, "same samples, byte for byte");
+    }
+}
+
+#[test]
+fn large_steps_scatter_in_parallel_to_the_same_result() {
+    // 4 requests x 700 rows x 2 slots x 1024 f32 = 22 MiB: above the parallel threshold.
+    let w = 1024usize;
+    let mut s = Session::new(SessionConfig {
+        layers: LayerPlan::new(&[1, 2], Convention::After, 8).unwrap(),
+        hidden_size: w,
+        model_dtype: DType::F32,
+        out_dtype: DType::F32,
+        assemble: true,
+    })
+    .unwrap();
+    let reqs: Vec<NewRequest> = (0..4).map(|i| req(&format!("r{i}"), 700, i)).collect();
+    let sched: Vec<(String, usize)> = (0..4).map(|i| (format!("r{i}"), 700)).collect();
+    let total = 2800;
+    s.begin_step(StepInput {
+        new_requests: reqs,
+        num_scheduled: sched,
+        total_tokens: total,
+        ..Default::default()
+    })
+    .unwrap();
+    s.plan(&["r2".to_string(), "r0".into(), "r3".into(), "r1".into()]).unwrap();
+    for slot in 0..2 {
+        let h: Vec<f32> = (0..total * w).map(|i| (slot * 1_000_000 + i / w) as f32).collect();
+        let d = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![total, w], strides: vec![w as i64, 1], dtype: DType::F32, device: Device::Cpu };
+        // SAFETY: `h` is live for the call.
+        unsafe { s.capture(slot, &d, None, 0).unwrap() };
+    }
+    let out = s.end_step().unwrap().unwrap();
+    assert_eq!(out.completed.len(), 4);
+    for smp in &out.completed {
+        let SampleKey::Index(i) = smp.key else { panic!("indexed") };
+        let first_row = [1usize, 3, 0, 2][i as usize] * 700; // r0 is second in the runner's order, ...
+        for (pos, slot) in [(0usize, 0usize), (699, 1), (350, 0)] {
+            let v = f32::from_le_bytes(smp.cell(pos, slot)[..4].try_into().unwrap());
+            assert_eq!(v, (slot * 1_000_000 + first_row + pos) as f32, "sample {i} pos {pos} slot {slot}");
+        }
     }
 }

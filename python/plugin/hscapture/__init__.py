@@ -3,29 +3,9 @@
 The worker class for vLLM is ``hscapture.worker.CaptureWorker`` (imported lazily: it needs vLLM).
 """
 
+from . import errors
 from ._native import __version__
-from .errors import (
-    AttributionError,
-    CompatibilityError,
-    ConfigError,
-    HscaptureError,
-    NonFiniteError,
-    OutputError,
-    RankMismatchError,
-    ShapeContractError,
-)
+from .errors import *  # noqa: F401,F403  (the exception tree)
 from .io import load_manifest, load_sample
 
-__all__ = [
-    "__version__",
-    "HscaptureError",
-    "ConfigError",
-    "ShapeContractError",
-    "NonFiniteError",
-    "AttributionError",
-    "RankMismatchError",
-    "OutputError",
-    "CompatibilityError",
-    "load_sample",
-    "load_manifest",
-]
+__all__ = ["__version__", *errors.__all__, "load_sample", "load_manifest"]

@@ -45,6 +45,11 @@ def test_existing_output_needs_overwrite(tmp_path):
     (tmp_path / "hidden_states" / "hs_0.safetensors").write_bytes(b"x")
     with pytest.raises(OutputError, match="--overwrite"):
         prepare_out(tmp_path, overwrite=False)
+    (tmp_path / "hidden_states" / ".hs_1.safetensors.partial-9-0").write_bytes(b"x")
+    prepare_out(tmp_path, overwrite=False, resume=True)
+    assert [p.name for p in (tmp_path / "hidden_states").iterdir()] == ["hs_0.safetensors"], "resume keeps finished files, drops partial ones"
+    with pytest.raises(ConfigError, match="contradict"):
+        prepare_out(tmp_path, overwrite=True, resume=True)
     prepare_out(tmp_path, overwrite=True)
     assert not any((tmp_path / "hidden_states").iterdir())
 

@@ -18,6 +18,7 @@ pub mod safetensors_io;
 pub mod sample;
 pub mod session;
 pub mod tensor;
+pub mod verify;
 pub mod writer;
 
 #[cfg(feature = "python")]

@@ -72,6 +72,32 @@ fn checksum(data: &[u8]) -> String {
     content_checksum(data)
 }
 
+/// Checks a capture directory; returns `(samples, tokens, bytes, problems)`.
+#[pyfunction]
+fn verify_dir(py: Python<'_>, root: PathBuf) -> PyResult<(usize, u64, u64, Vec<String>)> {
+    let r = py.detach(|| crate::verify::verify_dir(&root))?;
+    Ok((r.samples, r.tokens, r.bytes, r.problems))
+}
+
+/// Finished indexed sample files under `root/hidden_states`, read from the files:
+/// `({index: (record dict, token_ids)}, skipped)`.
+#[pyfunction]
+fn scan_finished<'py>(py: Python<'py>, root: PathBuf) -> PyResult<(Bound<'py, PyDict>, Vec<String>)> {
+    let (found, skipped) = py.detach(|| crate::verify::scan_finished(&root))?;
+    let d = PyDict::new(py);
+    for (i, (r, toks)) in found {
+        let rec = PyDict::new(py);
+        rec.set_item("index", r.index)?;
+        rec.set_item("request_id", r.request_id)?;
+        rec.set_item("file", r.file)?;
+        rec.set_item("length", r.length)?;
+        rec.set_item("checksum", r.checksum)?;
+        rec.set_item("bytes", r.bytes)?;
+        d.set_item(i, (rec, toks))?;
+    }
+    Ok((d, skipped))
+}
+
 /// Whether CUDA kernels can run here.
 #[pyfunction]
 fn cuda_available() -> bool {
@@ -97,6 +123,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_manifest, m)?)?;
     m.add_function(wrap_pyfunction!(read_sample, m)?)?;
     m.add_function(wrap_pyfunction!(checksum, m)?)?;
+    m.add_function(wrap_pyfunction!(verify_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(scan_finished, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_probe, m)?)?;
     Ok(())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ class ExtractOptions:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     overwrite: bool = False
+    resume: bool = False
     writer_threads: int = 2
     durable: bool = True
     progress: bool = True
@@ -52,6 +54,7 @@ class ExtractReport:
     dtype: str
     shims: list[str]
     device_path: str = "none"
+    resumed: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -59,7 +62,7 @@ class ExtractReport:
 
     def lines(self) -> list[str]:
         return [
-            f"samples     {self.samples}",
+            f"samples     {self.samples}" + (f" (+{self.resumed} finished earlier, kept)" if self.resumed else ""),
             f"tokens      {self.tokens}",
             f"bytes       {self.bytes} ({self.bytes / 2**20:.1f} MiB)",
             f"throughput  {self.tokens_per_s:,.0f} tokens/s ({self.seconds:.1f} s capture)",
@@ -68,16 +71,23 @@ class ExtractReport:
         ]
 
 
-def prepare_out(out: Path, overwrite: bool) -> None:
+def prepare_out(out: Path, overwrite: bool, resume: bool = False) -> None:
     hs = out / "hidden_states"
     existing = (out / "manifest.json").exists() or (hs.is_dir() and any(hs.iterdir()))
-    if existing and not overwrite:
+    if overwrite and resume:
+        raise ConfigError("--overwrite and --resume contradict each other: choose one")
+    if existing and not (overwrite or resume):
         raise OutputError(
-            f"{out} already holds captured states; pass --overwrite to replace them, or choose another --out"
+            f"{out} already holds captured states; pass --resume to continue that run (finished samples are kept), "
+            "--overwrite to replace them, or choose another --out"
         )
-    if existing:
+    if existing and overwrite:
         shutil.rmtree(hs, ignore_errors=True)
         (out / "manifest.json").unlink(missing_ok=True)
+    if existing and resume and hs.is_dir():
+        for f in hs.iterdir():
+            if ".partial-" in f.name:
+                f.unlink(missing_ok=True)  # an interrupted write: never visible as a sample
     try:
         hs.mkdir(parents=True, exist_ok=True)
         probe = hs / ".hscapture-write-test"
@@ -85,6 +95,39 @@ def prepare_out(out: Path, overwrite: bool) -> None:
         probe.unlink()
     except OSError as e:
         raise OutputError(f"cannot write to {hs}: {e}; choose a directory you can write") from None
+
+
+def finished_samples(out: Path, prompts: list[list[int]], ids: list[int], convention: str) -> dict[int, dict]:
+    """Samples a previous run finished (``--resume``): from its manifest if it wrote one, else from the files
+    themselves. Each must still match its prompt; settings must match this run's."""
+    if (out / "manifest.json").exists():
+        m = json.loads(_native.read_manifest(str(out / "manifest.json")))
+        if m["layer_ids"] != ids or m["convention"] != convention:
+            raise ConfigError(
+                f"{out} holds layers {m['layer_ids']} ({m['convention']} convention); this run asks for {ids} "
+                f"({convention}): resume with the same settings, or use --overwrite / another --out"
+            )
+    found, skipped = _native.scan_finished(str(out))
+    for line in skipped:
+        print(f"[hscapture] ignoring an unreadable file from the earlier run: {line}", file=sys.stderr)
+    done = {}
+    for i, (rec, toks) in found.items():
+        if i >= len(prompts) or toks != prompts[i]:
+            raise OutputError(
+                f"{out}/{rec['file']} holds tokens that are not prompt {i} of this input: the input changed since "
+                "the earlier run; start over with --overwrite or use another --out"
+            )
+        done[i] = rec
+    return done
+
+
+def _meta_from_files(out: Path, opts: ExtractOptions, records: list[dict]) -> dict:
+    """The manifest's settings when a killed run finished every file but wrote no manifest."""
+    s = _native.read_sample(str(out / records[0]["file"]))
+    ids = [int(x) for x in s["metadata"].get("layer_ids", "").split(",") if x]
+    n_layers = int(text_config(read_model_config(opts.model))["num_hidden_layers"])
+    return {"layer_ids": ids, "convention": s["metadata"].get("convention", opts.convention), "dtype": s["dtype"],
+            "hidden_size": s["shape"][2], "num_hidden_layers": n_layers, "tp_size": opts.tp}
 
 
 def _shutdown(llm) -> None:
@@ -100,11 +143,15 @@ def run_extract(opts: ExtractOptions) -> ExtractReport:
     ids = _native.validate_layers(list(layers), opts.convention, n_layers)
     check_prompts(opts.prompts, model_cfg)
     out = Path(opts.out).resolve()
-    prepare_out(out, opts.overwrite)
+    prepare_out(out, opts.overwrite, opts.resume)
     failures.clear(out)
+    done = finished_samples(out, opts.prompts, list(ids), opts.convention) if opts.resume else {}
+    todo = [i for i in range(len(opts.prompts)) if i not in done]
     if opts.tp < 1:
         raise ConfigError(f"--tp must be at least 1, found {opts.tp}")
 
+    if not todo:
+        return _finish(out, opts, done, [], None, 0.0, [])
     runtime_env.apply(opts.tp)
     shims = apply_driver_shims(model_cfg)
     cfg = CaptureConfig(layers=tuple(ids), convention=opts.convention, out=str(out), dtype=opts.store_dtype,
@@ -135,9 +182,9 @@ def run_extract(opts: ExtractOptions) -> ExtractReport:
         failures.raise_recorded(out, e)
         raise
     try:
-        params = [SamplingParams(max_tokens=1, detokenize=False, extra_args={SAMPLE_KEY: i}) for i in range(len(opts.prompts))]
+        params = [SamplingParams(max_tokens=1, detokenize=False, extra_args={SAMPLE_KEY: i}) for i in todo]
         t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in opts.prompts], params, use_tqdm=opts.progress)
+        llm.generate([{"prompt_token_ids": opts.prompts[i]} for i in todo], params, use_tqdm=opts.progress)
         results = [r for r in llm.collective_rpc("hscapture_finish") if r]
         seconds = time.perf_counter() - t0
     except Exception as e:
@@ -148,41 +195,50 @@ def run_extract(opts: ExtractOptions) -> ExtractReport:
     writers = [r for r in results if r.get("writer")]
     if len(writers) != 1:
         raise OutputError(f"expected one writing rank, {len(writers)} reported; results: {results}")
-    w = writers[0]
-    records = w["records"]
+    return _finish(out, opts, done, todo, writers[0], seconds, shims)
+
+
+def _finish(out: Path, opts: ExtractOptions, done: dict, todo: list[int], w: dict | None, seconds: float,
+            shims: list[str]) -> ExtractReport:
+    """Checks that every prompt has its file and writes the manifest (earlier finished samples included)."""
+    records = list(done.values()) + (w["records"] if w else [])
     got = {r["index"] for r in records}
     missing = sorted(set(range(len(opts.prompts))) - got)
     if missing:
         raise OutputError(
             f"{len(missing)} of {len(opts.prompts)} prompts produced no file (first: {missing[:10]}); aborted requests: "
-            f"{w['aborted'][:5]}"
+            f"{(w or {}).get('aborted', [])[:5]}; re-run with --resume to capture them"
         )
     import vllm
 
+    prev = json.loads(_native.read_manifest(str(out / "manifest.json"))) if (out / "manifest.json").exists() else {}
+    meta = w or prev or _meta_from_files(out, opts, records)
     manifest = {
         "format": "hscapture/1",
         "model": str(opts.model),
-        "layer_ids": w["layer_ids"],
-        "convention": w["convention"],
-        "dtype": w["dtype"],
-        "hidden_size": w["hidden_size"],
-        "num_hidden_layers": w["num_hidden_layers"],
-        "tensor_parallel_size": w["tp_size"],
+        "layer_ids": meta["layer_ids"],
+        "convention": meta["convention"],
+        "dtype": meta["dtype"],
+        "hidden_size": meta["hidden_size"],
+        "num_hidden_layers": meta["num_hidden_layers"],
+        "tensor_parallel_size": meta.get("tp_size", meta.get("tensor_parallel_size", opts.tp)),
         "created_by": {"hscapture": _native.__version__, "vllm": getattr(vllm, "__version__", "?")},
         "samples": records,
     }
     _native.write_manifest(str(out / "manifest.json"), json.dumps(manifest))
+    new = w["records"] if w else []
     return ExtractReport(
         out=str(out),
-        samples=len(records),
-        tokens=sum(r["length"] for r in records),
-        bytes=sum(r["bytes"] for r in records),
+        samples=len(new),
+        tokens=sum(r["length"] for r in new),
+        bytes=sum(r["bytes"] for r in new),
         seconds=seconds,
-        layer_ids=list(w["layer_ids"]),
-        convention=w["convention"],
-        dtype=w["dtype"],
+        layer_ids=list(manifest["layer_ids"]),
+        convention=manifest["convention"],
+        dtype=manifest["dtype"],
         shims=shims,
-        device_path=w.get("device_path", "none"),
+        device_path=(w or {}).get("device_path", "none"),
+        resumed=len(done),
     )
 
 

@@ -35,6 +35,8 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (smaller forces chunked prefill)")
     ex.add_argument("--max-model-len", type=int, default=None)
     ex.add_argument("--overwrite", action="store_true", help="replace an existing capture in --out")
+    ex.add_argument("--resume", action="store_true",
+                    help="continue an earlier run in --out: its finished samples are kept, the rest captured")
     ex.add_argument("--writer-threads", type=int, default=2)
     ex.add_argument("--no-fsync", action="store_true", help="do not fsync files before declaring them done")
 
@@ -48,6 +50,11 @@ def parser() -> argparse.ArgumentParser:
                     help="keep speculators' own worker extension (only the shims apply; for side-by-side runs)")
     rs.add_argument("script")
     rs.add_argument("args", nargs=argparse.REMAINDER)
+
+    ve = sub.add_parser("verify", help="check a capture directory against its manifest and the contract")
+    ve.add_argument("dir")
+    ve.add_argument("--model", default=None, help="also recompute samples with HF transformers and compare")
+    ve.add_argument("--samples", type=int, default=2, help="how many samples --model recomputes")
 
     sub.add_parser("version", help="print versions")
     return ap
@@ -66,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             rep = run_extract(ExtractOptions(
                 model=args.model, prompts=read_prompts(args.input), out=args.out, convention=args.convention,
                 layers=args.layers, tp=args.tp, dtype=args.dtype, store_dtype=args.store_dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len, overwrite=args.overwrite, writer_threads=args.writer_threads,
+                max_model_len=args.max_model_len, overwrite=args.overwrite, resume=args.resume,
+                writer_threads=args.writer_threads,
                 durable=not args.no_fsync, progress=sys.stderr.isatty()))
             for line in rep.lines():
                 print(line)
@@ -81,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
 
             run(args.script, args.args[1:] if args.args[:1] == ["--"] else args.args, use_hscapture=not args.own_extension)
             return 0
+        if args.cmd == "verify":
+            from .verify import run_verify
+
+            return run_verify(Path(args.dir), args.model, args.samples)
         if args.cmd == "version":
             from .. import __version__
 

@@ -1,0 +1,38 @@
+"""``hscapture verify DIR [--model PATH]``: every file against the manifest and the contract (shapes,
+dtypes, finite values, token ids, checksums, no orphans or partial files); optionally recompute samples
+with HF transformers and compare."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .. import _native
+
+TOLERANCE = 1e-3
+
+
+def run_verify(root: Path, model: str | None = None, n: int = 2) -> int:
+    samples, tokens, nbytes, problems = _native.verify_dir(str(root))
+    print(f"checked {samples} samples, {tokens} tokens, {nbytes / 2**20:.1f} MiB in {root}")
+    for p in problems[:50]:
+        print(f"  PROBLEM {p}")
+    if len(problems) > 50:
+        print(f"  ... and {len(problems) - 50} more")
+    ok = not problems
+    if model and samples:
+        from .. import load_sample, reference
+        from ..compare import compare
+
+        m = json.loads(_native.read_manifest(str(root / "manifest.json")))
+        picked = m["samples"][: max(1, n)]
+        loaded = [load_sample(root / s["file"]) for s in picked]
+        refs = reference.compute_subprocess(model, [x["token_ids"].tolist() for x in loaded], m["layer_ids"],
+                                            m["convention"], root / ".verify-reference")
+        cmp = compare([x["hidden_states"] for x in loaded], refs)
+        good = cmp.ok(TOLERANCE)
+        print(f"  recomputed {len(picked)} samples with HF transformers: worst relative error {cmp.worst:.2e} "
+              f"({'PASS' if good else 'FAIL'}, tolerance {TOLERANCE:.0e}; bf16 data needs ~1e-2)")
+        ok = ok and good
+    print("OK" if ok else "FAILED")
+    return 0 if ok else 1

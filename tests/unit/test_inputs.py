@@ -78,3 +78,30 @@ def test_cpu_binding_follows_the_world_size(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     runtime_env.apply(1)
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind", "the user's value is kept"
+
+
+def test_one_run_per_output_directory(tmp_path):
+    import subprocess
+    import sys
+
+    from hscapture import OutputError
+    from hscapture.outlock import OutputLock
+
+    probe = ("import sys\nfrom hscapture.outlock import OutputLock\nfrom hscapture import OutputError\n"
+             "try:\n    OutputLock(sys.argv[1]).acquire()\nexcept OutputError as e:\n    print('REFUSED', e)\n")
+    with OutputLock(tmp_path):
+        r = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True)
+        assert "REFUSED" in r.stdout and "another hscapture run (pid" in r.stdout, r.stdout + r.stderr
+        with pytest.raises(OutputError, match="another hscapture run"):
+            OutputLock(tmp_path).acquire()  # flock is per open file: a second run in this process is refused too
+    r = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True)
+    assert "REFUSED" not in r.stdout, "the lock is released when the run ends"
+
+
+def test_an_unwritable_output_is_refused_before_vllm_starts(tmp_path):
+    from hscapture import OutputError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OutputError, match="cannot write to .*choose a directory you can write"):
+        prepare_out(blocker / "out", overwrite=False)

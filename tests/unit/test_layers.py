@@ -35,3 +35,10 @@ def test_capture_points_are_one_apart():
 def test_defaults():
     assert _native.default_layers("after", 32) == [2, 16, 29, 31]
     assert _native.default_layers("before", 32) == [2, 16, 29, 32]
+
+
+def test_a_rust_panic_is_a_typed_error_not_a_base_exception():
+    from hscapture import HscaptureError
+
+    with pytest.raises(HscaptureError, match="internal error in _panic_for_test: boom; this is a bug"):
+        _native._panic_for_test("boom")

@@ -349,3 +349,7 @@ impl Session {
 #[cfg(test)]
 #[path = "tests/session.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "tests/fuzz.rs"]
+mod fuzz;

@@ -49,6 +49,15 @@ class CaptureWorker(HiddenStatesRPC, _Base):  # type: ignore[misc, valid-type]
             return None
         return {"tp_rank": cap.tp.rank, "writer": cap.writer_rank, "records": cap.drain(), "device_path": cap.device_path}
 
+    def hscapture_stats(self) -> dict:
+        """This rank's resident memory and capture totals (for soaks and dashboards)."""
+        import psutil
+
+        out = {"rss": psutil.Process().memory_info().rss}
+        if self._hscapture is not None:
+            out.update(dict(self._hscapture.session.stats()))
+        return out
+
     def hscapture_finish(self) -> dict | None:
         """Flushes the writer; returns this rank's records and statistics (None if not capturing)."""
         return self._hscapture.finish() if self._hscapture is not None else None

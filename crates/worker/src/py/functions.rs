@@ -98,6 +98,13 @@ fn scan_finished<'py>(py: Python<'py>, root: PathBuf) -> PyResult<(Bound<'py, Py
     Ok((d, skipped))
 }
 
+/// Panics inside `guard` on purpose: proves that a Rust panic reaches Python as `HscaptureError`
+/// (not as `BaseException`). For tests only.
+#[pyfunction]
+fn _panic_for_test(msg: &str) -> PyResult<()> {
+    guard("_panic_for_test", || -> PyResult<()> { std::panic::panic_any(msg.to_string()) })
+}
+
 /// Whether CUDA kernels can run here.
 #[pyfunction]
 fn cuda_available() -> bool {
@@ -124,6 +131,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_sample, m)?)?;
     m.add_function(wrap_pyfunction!(checksum, m)?)?;
     m.add_function(wrap_pyfunction!(verify_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(scan_finished, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_probe, m)?)?;

@@ -1,4 +1,5 @@
 use super::*;
+use std::path::Path;
 
 #[test]
 fn file_appears_whole_and_leftovers_are_removed() {
@@ -14,4 +15,29 @@ fn file_appears_whole_and_leftovers_are_removed() {
     assert!(e.message.contains("boom"));
     let names: Vec<_> = fs::read_dir(d.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(names, vec![std::ffi::OsString::from("x.bin")], "no partial file is left behind");
+}
+
+#[test]
+fn a_full_disk_is_named_and_leaves_nothing_behind() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("hs_0.safetensors");
+    let e = write_atomic(&p, true, |w| {
+        w.write_all(&[0u8; 4096])?;
+        Err(std::io::Error::from_raw_os_error(28)) // ENOSPC, as a full file system reports it
+    })
+    .unwrap_err();
+    assert_eq!(e.kind, crate::ErrorKind::Output);
+    assert!(e.message.contains("the disk is full"), "{e}");
+    assert_eq!(fs::read_dir(d.path()).unwrap().count(), 0, "neither the file nor its partial copy remains");
+}
+
+#[test]
+fn a_file_that_cannot_be_written_on_dev_full_reports_enospc() {
+    // /dev/full answers every write with ENOSPC: the same error path as a full file system.
+    if !Path::new("/dev/full").exists() {
+        return;
+    }
+    let mut f = fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    let e = std::io::Write::write_all(&mut f, &[1u8; 8]).and_then(|_| std::io::Write::flush(&mut f)).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(28));
 }

@@ -315,3 +315,24 @@ fn large_steps_scatter_in_parallel_to_the_same_result() {
         }
     }
 }
+
+#[test]
+fn a_slot_captured_twice_in_one_step_is_refused() {
+    let mut s = session(&[1], true);
+    s.begin_step(input(vec![req("a", 2, 0)], vec![], &[("a", 2)])).unwrap();
+    s.plan(&["a".to_string()]).unwrap();
+    let h = layer_output(1, 2, 0.0);
+    // SAFETY: `h` is live for the calls.
+    unsafe { s.capture(0, &desc(&h, 2), None, 0).unwrap() };
+    // SAFETY: as above.
+    let e = unsafe { s.capture(0, &desc(&h, 2), None, 0) }.unwrap_err();
+    assert!(e.message.contains("captured twice in one step"), "{e}");
+}
+
+#[test]
+fn two_prompts_with_the_same_sample_index_are_refused() {
+    let mut s = session(&[1], true);
+    let e = run_step(&mut s, input(vec![req("a", 2, 5), req("b", 3, 5)], vec![], &[("a", 2), ("b", 3)]), &["a", "b"], &[1]).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Output);
+    assert!(e.message.contains("sample 5 was completed twice"), "{e}");
+}

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import _native, failures, runtime_env
+from ..outlock import OutputLock
 from ..config import CaptureConfig
 from ..errors import ConfigError, OutputError
 from ..patches import apply_driver_shims
@@ -137,6 +138,12 @@ def _shutdown(llm) -> None:
 
 
 def run_extract(opts: ExtractOptions) -> ExtractReport:
+    """Captures ``opts.prompts``; holds ``OUT``'s lock for the whole run (one run per directory)."""
+    with OutputLock(Path(opts.out).resolve()):
+        return _run_extract(opts)
+
+
+def _run_extract(opts: ExtractOptions) -> ExtractReport:
     model_cfg = read_model_config(opts.model)
     n_layers = int(text_config(model_cfg)["num_hidden_layers"])
     layers = opts.layers if opts.layers is not None else _native.default_layers(opts.convention, n_layers)

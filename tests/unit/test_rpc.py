@@ -43,6 +43,25 @@ class Worker(HiddenStatesRPC):
         cap.end()
 
 
+class SplitTP:
+    """Two TP ranks whose checksums differ: what an all-gather returns when rank 1 diverged."""
+
+    size, rank = 2, 0
+
+    def all_gather_i64(self, v):
+        return [v, v + 1]
+
+
+def test_a_rank_mismatch_leaves_no_step_half_begun():
+    from hscapture import RankMismatchError
+
+    w = Worker()
+    w._hscapture.tp = SplitTP()
+    with pytest.raises(RankMismatchError, match=r"ranks \[1\] disagree"):
+        w.step(sched(new=[new_req("a", [1, 2, 3], None)], n={"a": 3}), ["a"])
+    assert not w._hscapture.session.in_step
+
+
 def test_before_setup_every_call_is_a_typed_error():
     w = HiddenStatesRPC()
     for call in (w._reset_capture, w._get_captured_states, lambda: w._set_request_metadata({}),

@@ -161,6 +161,7 @@ def test_worker_errors_cross_to_the_driver_typed(tmp_path):
     failures.raise_recorded(tmp_path, RuntimeError("engine died"))  # nothing recorded: returns
     failures.record_failure(str(tmp_path), 1, RankMismatchError("late"))
     failures.record_failure(str(tmp_path), 0, AttributionError("first"))
+    failures.record_failure(str(tmp_path), 0, OutputError("a consequence"))  # the first error of a rank wins
     with pytest.raises(AttributionError, match=r"first \[raised by the worker of rank 0\]") as ei:
         failures.raise_recorded(tmp_path, RuntimeError("engine died"))
     assert isinstance(ei.value.__cause__, RuntimeError)

@@ -126,8 +126,14 @@ class WorkerCapture:
 
     def begin(self, scheduler_output: Any) -> None:
         try:
-            self._assembled(self.session.begin_step(*vllm_compat.step_args(scheduler_output)))
+            outcome = self.session.begin_step(*vllm_compat.step_args(scheduler_output))
         except HscaptureError as e:
+            self._failed(e)
+            raise
+        try:
+            self._assembled(outcome)  # the previous device step, assembled now: check it across ranks
+        except HscaptureError as e:
+            self.session.abandon_step()  # this step will not run; the next one must not find it begun
             self._failed(e)
             raise
         self._total = int(scheduler_output.total_num_scheduled_tokens)

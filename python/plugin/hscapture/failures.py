@@ -17,11 +17,14 @@ DIR = ".hscapture-errors"
 
 
 def record_failure(out: str | None, rank: int, e: BaseException) -> None:
+    """Records a rank's first error (the root cause; what fails after it is a consequence)."""
     if not out:
         return
     try:
         d = Path(out) / DIR
         d.mkdir(parents=True, exist_ok=True)
+        if (d / f"rank{rank}.json").exists():
+            return
         tmp = d / f".rank{rank}.json.partial-{os.getpid()}"
         tmp.write_text(json.dumps({"type": type(e).__name__, "message": str(e), "rank": rank}))
         os.replace(tmp, d / f"rank{rank}.json")

@@ -6,7 +6,7 @@ import pytest
 
 from hscapture import ConfigError, OutputError
 from hscapture.cli.extract import prepare_out
-from hscapture.cli.inputs import check_prompts, read_prompts
+from hscapture.cli.inputs import PromptSet, check_prompts, input_kind, open_input, read_jsonl, read_prompts
 
 
 def write(tmp_path, lines):
@@ -22,13 +22,74 @@ def test_reads_token_ids(tmp_path):
 
 @pytest.mark.parametrize("line,match", [
     ("{bad", r"p.jsonl:1: not valid JSON"),
-    (json.dumps({"text": "hi"}), r"p.jsonl:1: expected an object"),
+    (json.dumps({"text": 5}), r"p.jsonl:1: expected an object"),
+    (json.dumps([1, 2]), r"p.jsonl:1: expected an object"),
+    (json.dumps({"token_ids": [1, 2], "loss_mask": [1]}), r"p.jsonl:1: \"loss_mask\" must be a list of 0/1 as long"),
     (json.dumps({"token_ids": [1, -2]}), r"non-negative"),
     (json.dumps({"token_ids": []}), r"p.jsonl:1: the prompt is empty"),
 ])
 def test_bad_lines_name_the_line(tmp_path, line, match):
     with pytest.raises(ConfigError, match=match):
         read_prompts(write(tmp_path, [line]))
+
+
+def model_dir(tmp_path, tokenizer: bool):
+    d = tmp_path / ("model-tok" if tokenizer else "model")
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"vocab_size": 1024, "num_hidden_layers": 4}))
+    if tokenizer:
+        from hscapture import tiny
+
+        tiny._save_tokenizer(d)
+    return d
+
+
+def test_text_is_tokenized_with_the_model_tokenizer_or_tokenizer_option(tmp_path):
+    p = write(tmp_path, [json.dumps({"text": "w5 w6 w700"}), json.dumps({"token_ids": [9, 8]})])
+    with_tok = model_dir(tmp_path, tokenizer=True)
+    assert read_prompts(p, with_tok) == [[5, 6, 700], [9, 8]]
+    bare = model_dir(tmp_path, tokenizer=False)
+    assert read_prompts(p, bare, tokenizer=str(with_tok)) == [[5, 6, 700], [9, 8]]
+
+
+def test_text_without_a_tokenizer_is_refused_with_the_fix(tmp_path):
+    p = write(tmp_path, [json.dumps({"token_ids": [9]}), json.dumps({"text": "w5"})])
+    with pytest.raises(ConfigError, match=r"p.jsonl:2: .*model directory .* has no tokenizer files.*--tokenizer PATH"):
+        read_prompts(p, model_dir(tmp_path, tokenizer=False))
+    with pytest.raises(ConfigError, match=r"no tokenizer was given.*--tokenizer PATH"):
+        read_prompts(p)
+    with pytest.raises(ConfigError, match=r"cannot load a tokenizer from .*--tokenizer"):
+        read_prompts(p, tokenizer=str(tmp_path))
+    assert read_prompts(write(tmp_path, [json.dumps({"token_ids": [9]})]), model_dir(tmp_path, tokenizer=False)) == [[9]], \
+        "token ids need no tokenizer"
+
+
+def test_loss_masks_and_fingerprints(tmp_path):
+    ps = read_jsonl(write(tmp_path, [json.dumps({"token_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}),
+                                     json.dumps({"token_ids": [4]})]), None)
+    assert (len(ps), ps[0], ps.length(0), ps.loss_mask(0), ps.loss_mask(1), ps.max_token()) == (2, [1, 2, 3], 3, [0, 1, 1], None, 4)
+    same, other = PromptSet.from_lists([[1, 2, 3], [4]]), PromptSet.from_lists([[1, 2], [3, 4]])
+    assert ps.fingerprint() == same.fingerprint() != other.fingerprint(), "the fingerprint sees row boundaries"
+
+
+def test_input_kind_from_the_path(tmp_path):
+    assert input_kind(write(tmp_path, [json.dumps({"token_ids": [1]})])) == "jsonl"
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    with pytest.raises(ConfigError, match="without dataset_info.json or state.json"):
+        input_kind(ds)
+    (ds / "state.json").write_text("{}")
+    assert input_kind(ds) == "arrow"
+    dd = tmp_path / "dd"
+    (dd / "train").mkdir(parents=True)
+    (dd / "dataset_dict.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"splits \['train'\].*--input .*dd/train"):
+        input_kind(dd)
+    (tmp_path / "p.json").write_text("[]")
+    with pytest.raises(ConfigError, match="neither a .jsonl file nor a dataset directory"):
+        input_kind(tmp_path / "p.json")
+    with pytest.raises(ConfigError, match="does not exist"):
+        open_input(tmp_path / "missing.jsonl", tmp_path)
 
 
 def test_prompt_checks_against_the_model():
@@ -38,6 +99,7 @@ def test_prompt_checks_against_the_model():
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         check_prompts([[1] * 8], cfg)
     check_prompts([[1] * 7], cfg)
+    check_prompts([[1] * 7, [1] * 9], cfg, rows=[0]), "only the rows this run (shard) captures"
 
 
 def test_existing_output_needs_overwrite(tmp_path):

@@ -1,19 +1,109 @@
-"""Inputs of an extraction: prompts and the model's configuration, checked before vLLM starts."""
+"""Inputs of an extraction: prompts and the model's configuration, checked before vLLM starts.
+
+Prompts come as a :class:`PromptSet` (row ``i`` -> token ids, and a loss mask when the input has one), read
+from JSONL (``token_ids``, or ``text`` plus a tokenizer) or from speculators' prepared dataset (an HF Arrow
+directory, :mod:`.arrow`). Row ``i`` is sample ``i``: it names the file ``hs_{i}`` whatever shard runs it.
+"""
 
 from __future__ import annotations
 
 import json
+from array import array
 from pathlib import Path
+from typing import Sequence
 
+from .. import _native
 from ..errors import ConfigError
 
+JSONL_HINT = 'expected JSONL with one {"token_ids": [...]} or {"text": "..."} per line'
 
-def read_prompts(path: str | Path) -> list[list[int]]:
-    """JSONL, one ``{"token_ids": [...]}`` per line; blank lines are skipped, anything else is refused."""
+
+class PromptSet:
+    """Token ids by global row, stored flat (8 bytes a token, not a Python list per prompt)."""
+
+    kind = "list"
+
+    def __init__(self, flat: array, offsets: array, masks: dict[int, list[int]] | None = None, source: str = "prompts"):
+        self._flat, self._off, self._masks, self.source = flat, offsets, masks or {}, source
+
+    @classmethod
+    def from_lists(cls, prompts: Sequence[Sequence[int]], source: str = "prompts") -> "PromptSet":
+        flat, off = array("q"), array("q", [0])
+        for p in prompts:
+            flat.extend(p)
+            off.append(len(flat))
+        return cls(flat, off, source=source)
+
+    def __len__(self) -> int:
+        return len(self._off) - 1
+
+    def __getitem__(self, i: int) -> list[int]:
+        return self._flat[self._off[i]: self._off[i + 1]].tolist()
+
+    def length(self, i: int) -> int:
+        return self._off[i + 1] - self._off[i]
+
+    def loss_mask(self, i: int) -> list[int] | None:
+        """The row's loss mask, or None when the input has none (legacy output then trains on every token)."""
+        return self._masks.get(i)
+
+    def max_token(self) -> int:
+        import numpy as np
+
+        return int(np.frombuffer(self._flat, dtype=np.int64).max()) if len(self._flat) else 0
+
+    def fingerprint(self) -> str:
+        """xxh3 of every row's token ids and boundaries: shards of one input agree on it."""
+        return _native.checksum(self._flat.tobytes() + b"|" + self._off.tobytes())
+
+
+def as_prompt_set(prompts) -> PromptSet:
+    """``ExtractOptions.prompts`` may be a list of token-id lists (library use) or a prompt set."""
+    if hasattr(prompts, "length") and hasattr(prompts, "fingerprint"):
+        return prompts
+    return PromptSet.from_lists(prompts)
+
+
+def input_kind(path: str | Path) -> str:
+    """``arrow`` for a directory written by ``datasets``' ``save_to_disk``, ``jsonl`` for a ``.jsonl`` file."""
+    p = Path(path)
+    if p.is_dir():
+        if (p / "dataset_info.json").exists() or (p / "state.json").exists():
+            return "arrow"
+        if (p / "dataset_dict.json").exists():
+            splits = sorted(x.name for x in p.iterdir() if x.is_dir())
+            raise ConfigError(f"{p} is a dataset with splits {splits}, not one dataset: pass one split's directory, "
+                              f"e.g. --input {p / (splits[0] if splits else 'train')}")
+        raise ConfigError(f"{p} is a directory without dataset_info.json or state.json: expected speculators' prepared "
+                          "dataset (saved with datasets' save_to_disk) or a .jsonl file")
+    if not p.exists():
+        raise ConfigError(f"input {p} does not exist; {JSONL_HINT}, or a prepared dataset directory (save_to_disk)")
+    if p.suffix == ".jsonl":
+        return "jsonl"
+    raise ConfigError(f"input {p} is neither a .jsonl file nor a dataset directory; {JSONL_HINT} (name it *.jsonl), "
+                      "or pass speculators' prepared dataset directory")
+
+
+def open_input(path: str | Path, model: str | Path, tokenizer: str | None = None) -> PromptSet:
+    """Reads ``--input``, its kind detected from the path."""
+    if input_kind(path) == "arrow":
+        from .arrow import ArrowPrompts
+
+        return ArrowPrompts.open(path)
+    return read_jsonl(path, lambda: load_tokenizer(model, tokenizer))
+
+
+def read_prompts(path: str | Path, model: str | Path | None = None, tokenizer: str | None = None) -> list[list[int]]:
+    """JSONL prompts as lists (blank lines skipped, anything else refused); ``text`` lines need a tokenizer."""
+    ps = read_jsonl(path, lambda: load_tokenizer(model, tokenizer))
+    return [ps[i] for i in range(len(ps))]
+
+
+def read_jsonl(path: str | Path, get_tokenizer) -> PromptSet:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"input file {path} does not exist; expected JSONL with one {{\"token_ids\": [...]}} per line")
-    prompts: list[list[int]] = []
+        raise ConfigError(f"input file {path} does not exist; {JSONL_HINT}")
+    flat, off, masks, tok = array("q"), array("q", [0]), {}, None
     with path.open() as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -21,16 +111,53 @@ def read_prompts(path: str | Path) -> list[list[int]]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{n}: not valid JSON ({e.msg}); expected {{\"token_ids\": [...]}}") from None
-            ids = obj.get("token_ids") if isinstance(obj, dict) else None
+                raise ConfigError(f"{path}:{n}: not valid JSON ({e.msg}); {JSONL_HINT}") from None
+            if not isinstance(obj, dict):
+                raise ConfigError(f"{path}:{n}: expected an object with \"token_ids\" (a list of non-negative integers) "
+                                  "or \"text\"")
+            ids = obj.get("token_ids")
+            if ids is None and isinstance(obj.get("text"), str):
+                if tok is None:
+                    try:
+                        tok = get_tokenizer()
+                    except ConfigError as e:
+                        raise ConfigError(f"{path}:{n}: {e}") from None
+                ids = tok(obj["text"])
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-                raise ConfigError(f"{path}:{n}: expected an object with \"token_ids\": a list of non-negative integers")
+                raise ConfigError(f"{path}:{n}: expected an object with \"token_ids\": a list of non-negative integers "
+                                  "(or \"text\")")
             if not ids:
                 raise ConfigError(f"{path}:{n}: the prompt is empty; every prompt needs at least one token")
-            prompts.append(ids)
-    if not prompts:
+            if "loss_mask" in obj:
+                m = obj["loss_mask"]
+                if not isinstance(m, list) or len(m) != len(ids) or any(x not in (0, 1) for x in m):
+                    raise ConfigError(f"{path}:{n}: \"loss_mask\" must be a list of 0/1 as long as the prompt "
+                                      f"({len(ids)} tokens); found {str(m)[:60]}")
+                masks[len(off) - 1] = m
+            flat.extend(ids)
+            off.append(len(flat))
+    if len(off) == 1:
         raise ConfigError(f"input file {path} holds no prompts")
-    return prompts
+    return PromptSet(flat, off, masks, source=str(path))
+
+
+def load_tokenizer(model: str | Path | None, tokenizer: str | None):
+    """A callable text -> token ids: ``--tokenizer PATH``, else the model directory's tokenizer."""
+    where = tokenizer or model
+    fix = 'pass --tokenizer PATH (a tokenizer directory), or give "token_ids" instead of "text"'
+    if where is None:
+        raise ConfigError(f'the input has "text" prompts but no tokenizer was given; {fix}')
+    if tokenizer is None and not has_tokenizer(where):
+        raise ConfigError(f'the input has "text" prompts but the model directory {where} has no tokenizer files '
+                          f"(tokenizer.json, tokenizer.model, tokenizer_config.json); {fix}")
+    try:
+        from transformers import AutoTokenizer
+
+        t = AutoTokenizer.from_pretrained(str(where))
+    except Exception as e:  # transformers raises OSError, ValueError, ... for an unusable directory
+        raise ConfigError(f"cannot load a tokenizer from {where}: {type(e).__name__}: {e}; pass --tokenizer with a "
+                          "directory that AutoTokenizer.from_pretrained reads") from None
+    return lambda text: list(t(text)["input_ids"])
 
 
 def read_model_config(model: str | Path) -> dict:
@@ -49,15 +176,20 @@ def has_tokenizer(model: str | Path) -> bool:
     return any((d / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
 
 
-def check_prompts(prompts: list[list[int]], cfg: dict) -> None:
+def check_prompts(prompts, cfg: dict, rows: Sequence[int] | None = None) -> None:
+    """Token ids inside the vocabulary and prompts shorter than ``max_position_embeddings`` (the rows this run
+    captures, all by default)."""
+    ps = as_prompt_set(prompts)
     text = text_config(cfg)
     vocab = text.get("vocab_size")
     max_pos = text.get("max_position_embeddings")
-    for i, ids in enumerate(prompts):
-        if vocab is not None and max(ids) >= vocab:
-            raise ConfigError(f"prompt {i}: token id {max(ids)} is outside the model's vocabulary (vocab_size={vocab})")
-        if max_pos is not None and len(ids) >= max_pos:
-            raise ConfigError(
-                f"prompt {i} has {len(ids)} tokens; the model accepts fewer than {max_pos} (max_position_embeddings): "
-                "shorten or drop it"
-            )
+    if vocab is not None and ps.max_token() >= vocab:
+        i = next(i for i in range(len(ps)) if max(ps[i]) >= vocab)
+        raise ConfigError(f"prompt {i}: token id {max(ps[i])} is outside the model's vocabulary (vocab_size={vocab})")
+    if max_pos is not None:
+        for i in rows if rows is not None else range(len(ps)):
+            if ps.length(i) >= max_pos:
+                raise ConfigError(
+                    f"prompt {i} has {ps.length(i)} tokens; the model accepts fewer than {max_pos} "
+                    "(max_position_embeddings): shorten or drop it"
+                )

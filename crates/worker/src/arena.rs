@@ -66,6 +66,30 @@ impl Arena {
         })
     }
 
+    /// Slot `slot`'s rows of this step: data, row sums, non-finite counts (for another pipeline stage).
+    pub fn slot_rows(&self, slot: usize) -> (&[u8], &[u64], &[u32]) {
+        let (rb, base, rows) = (self.row_bytes(), slot * self.capacity, self.rows);
+        (&self.data[base * rb..(base + rows) * rb], &self.row_sums[base..base + rows], &self.nonfinite[base..base + rows])
+    }
+
+    /// Writes slot `slot`'s rows of this step as another stage captured them; sizes are checked.
+    pub fn put_slot(&mut self, slot: usize, data: &[u8], row_sums: &[u64], nonfinite: &[u32], what: &str) -> CoreResult<()> {
+        let rows = self.rows;
+        let t = self.target(slot, what)?;
+        ensure!(
+            data.len() == t.data.len() && row_sums.len() == rows && nonfinite.len() == rows,
+            RankMismatch,
+            "{what}: received {} bytes and {} rows from another pipeline stage, expected {} bytes and {rows} rows",
+            data.len(),
+            row_sums.len(),
+            t.data.len()
+        );
+        t.data.copy_from_slice(data);
+        t.row_sums.copy_from_slice(row_sums);
+        t.nonfinite.copy_from_slice(nonfinite);
+        Ok(())
+    }
+
     pub fn view(&self) -> HostRows<'_> {
         HostRows { data: &self.data, row_sums: &self.row_sums, nonfinite: &self.nonfinite, capacity: self.capacity, row_bytes: self.row_bytes() }
     }

@@ -53,8 +53,8 @@ impl Assembly {
         }
     }
 
-    fn check_finite(cfg: &SessionConfig, plan: &StepPlan, rows: &dyn StepRows) -> CoreResult<()> {
-        for slot in 0..cfg.layers.num_slots() {
+    fn check_finite(cfg: &SessionConfig, plan: &StepPlan, rows: &dyn StepRows, present: &[bool]) -> CoreResult<()> {
+        for slot in (0..cfg.layers.num_slots()).filter(|&s| present[s]) {
             for seg in &plan.segments {
                 let counts: Vec<u32> = (0..seg.len).map(|k| rows.nonfinite(slot, seg.arena_row + k)).collect();
                 let bad: u64 = counts.iter().map(|&c| u64::from(c)).sum();
@@ -116,10 +116,29 @@ impl Assembly {
     }
 
     /// Absorbs a step: checks, checksums, scatters (when this rank assembles) and completes samples.
-    pub fn absorb(&mut self, cfg: &SessionConfig, plan: &StepPlan, events: Vec<Event>, rows: &(dyn StepRows + Sync)) -> CoreResult<StepOutcome> {
+    /// `present` marks the slots this rank holds (all of them, except on a pipeline stage that does
+    /// not assemble: there only its own layers'); checks cover those, the checksum the slots in `own`
+    /// (captured by this rank, not received from another stage: what its tensor-parallel peers hold).
+    pub fn absorb(
+        &mut self,
+        cfg: &SessionConfig,
+        plan: &StepPlan,
+        events: Vec<Event>,
+        rows: &(dyn StepRows + Sync),
+        present: &[bool],
+        own: &[bool],
+    ) -> CoreResult<StepOutcome> {
         let slots = cfg.layers.num_slots();
-        Self::check_finite(cfg, plan, rows)?;
-        let mut out = StepOutcome { step: plan.step, checksum: step_checksum(rows, slots, plan.arena_rows), rows: plan.arena_rows, ..Default::default() };
+        ensure!(
+            !cfg.assemble || present.iter().all(|&p| p),
+            Compatibility,
+            "step {}: this rank assembles samples but holds only slots {:?}; the other pipeline stages' rows never arrived",
+            plan.step,
+            (0..slots).filter(|&s| present[s]).collect::<Vec<_>>()
+        );
+        Self::check_finite(cfg, plan, rows, present)?;
+        let checksum = step_checksum(rows, own, plan.arena_rows);
+        let mut out = StepOutcome { step: plan.step, checksum, rows: plan.arena_rows, ..Default::default() };
         let rb = cfg.hidden_size * cfg.out_dtype.size();
         if cfg.assemble {
             self.scatter(plan, rows, slots, rb);

@@ -17,6 +17,7 @@ pub mod rows;
 pub mod safetensors_io;
 pub mod sample;
 pub mod session;
+pub mod stages;
 pub mod tensor;
 pub mod verify;
 pub mod writer;

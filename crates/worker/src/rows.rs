@@ -11,10 +11,11 @@ pub trait StepRows {
     fn row_sum(&self, slot: usize, row: usize) -> u64;
 }
 
-/// The step checksum over `slots` slots of `rows` rows (see `hscapture_kernels::checksum`).
-pub fn step_checksum(rows_view: &dyn StepRows, slots: usize, rows: usize) -> u64 {
+/// The step checksum over the slots marked present (those this rank holds) of `rows` rows (see
+/// `hscapture_kernels::checksum`).
+pub fn step_checksum(rows_view: &dyn StepRows, present: &[bool], rows: usize) -> u64 {
     let mut acc = 0u64;
-    for s in 0..slots {
+    for s in (0..present.len()).filter(|&s| present[s]) {
         for r in 0..rows {
             acc = acc.wrapping_add(combine_row(rows_view.row_sum(s, r), s, r));
         }

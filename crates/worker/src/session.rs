@@ -17,6 +17,7 @@ use crate::sample::Sample;
 use crate::tensor::{Device, TensorDesc};
 use crate::{bail, ensure, error::CoreResult};
 use hscapture_kernels::{capture_rows, DType};
+use crate::stages::{SlotPart, StageMessage};
 
 /// What a session captures and how.
 #[derive(Clone, Debug)]
@@ -71,6 +72,11 @@ pub struct Session {
     device: Option<Box<dyn DeviceBackend>>,
     assembly: Assembly,
     filled: Vec<bool>,
+    /// Slots this rank neither captures nor receives (another pipeline stage's layers, on a rank that
+    /// does not assemble).
+    absent: Vec<bool>,
+    /// Slots of this step received from another stage (not part of this rank's checksum).
+    imported: Vec<bool>,
     on_device: bool,
     pending: Option<Pending>,
     aborted: Vec<Aborted>,
@@ -88,10 +94,77 @@ impl Session {
             device: None,
             assembly: Assembly::default(),
             filled: vec![false; slots],
+            absent: vec![false; slots],
+            imported: vec![false; slots],
             on_device: false,
             pending: None,
             aborted: Vec::new(),
         })
+    }
+
+    /// Declares the slots this rank will neither capture nor receive (pipeline parallelism: the layers
+    /// of other stages, on a rank that does not assemble).
+    pub fn set_absent_slots(&mut self, slots: &[usize]) -> CoreResult<()> {
+        let n = self.absent.len();
+        ensure!(slots.iter().all(|&s| s < n), Config, "absent slots {slots:?}: only {n} slots exist");
+        ensure!(
+            slots.is_empty() || !self.cfg.assemble,
+            Config,
+            "the assembling rank must hold every slot; slots {slots:?} would be missing from its samples"
+        );
+        self.absent = (0..n).map(|s| slots.contains(&s)).collect();
+        Ok(())
+    }
+
+    /// This step's rows of `slots` (captured here) as one message for the assembling stage.
+    pub fn export_slots(&self, slots: &[usize]) -> CoreResult<Vec<u8>> {
+        let step = self.tracker.step();
+        let Some(plan) = self.tracker.current_plan() else {
+            bail!(Attribution, "step {step}: nothing to send to the assembling stage before the step is planned");
+        };
+        ensure!(!self.on_device, Compatibility, "step {step}: pipeline stages exchange host rows; this step was captured on the device");
+        let mut parts = Vec::with_capacity(slots.len());
+        for &slot in slots {
+            ensure!(
+                self.filled.get(slot).copied().unwrap_or(false),
+                ShapeContract,
+                "step {step}: {} is to be sent to the assembling stage but was not captured on this stage",
+                self.slot_name(slot)
+            );
+            let (data, row_sums, nonfinite) = self.arena.slot_rows(slot);
+            parts.push(SlotPart { slot, data: data.to_vec(), row_sums: row_sums.to_vec(), nonfinite: nonfinite.to_vec() });
+        }
+        let msg = StageMessage { step, rows: plan.arena_rows, row_bytes: self.arena.row_bytes(), parts };
+        Ok(msg.encode())
+    }
+
+    /// Writes another stage's message into this step's arena; returns the slots it filled.
+    pub fn import_slots(&mut self, bytes: &[u8], from: &str) -> CoreResult<Vec<usize>> {
+        let msg = StageMessage::decode(bytes)?;
+        let step = self.tracker.step();
+        let Some(plan) = self.tracker.current_plan() else {
+            bail!(Attribution, "step {step}: rows from {from} arrived before this stage planned the step");
+        };
+        ensure!(
+            msg.step == step && msg.rows == plan.arena_rows && msg.row_bytes == self.arena.row_bytes(),
+            RankMismatch,
+            "{from} sent step {} with {} prompt rows of {} bytes; this stage is at step {step} with {} rows of {} bytes: \
+             the pipeline stages disagree about the schedule",
+            msg.step,
+            msg.rows,
+            msg.row_bytes,
+            plan.arena_rows,
+            self.arena.row_bytes()
+        );
+        let mut got = Vec::with_capacity(msg.parts.len());
+        for p in msg.parts {
+            let name = format!("{} from {from}", self.slot_name(p.slot));
+            self.mark_filled(p.slot)?;
+            self.arena.put_slot(p.slot, &p.data, &p.row_sums, &p.nonfinite, &name)?;
+            self.imported[p.slot] = true;
+            got.push(p.slot);
+        }
+        Ok(got)
     }
 
     /// Captures device tensors through `device` from now on.
@@ -142,6 +215,7 @@ impl Session {
             }
         }
         self.filled.iter_mut().for_each(|f| *f = false);
+        self.imported.iter_mut().for_each(|f| *f = false);
         self.on_device = false;
         Ok(prev)
     }
@@ -155,7 +229,8 @@ impl Session {
             bail!(Compatibility, "a device step is pending but the device path is gone");
         };
         let rows = dev.wait()?;
-        let mut out = self.assembly.absorb(&self.cfg, &p.plan, p.events, rows)?;
+        let present: Vec<bool> = self.absent.iter().map(|a| !a).collect();
+        let mut out = self.assembly.absorb(&self.cfg, &p.plan, p.events, rows, &present, &present)?;
         out.aborted = std::mem::take(&mut self.aborted);
         Ok(Some(out))
     }
@@ -314,14 +389,14 @@ impl Session {
         let step = self.tracker.step();
         let plan = self.tracker.current_plan().cloned();
         if plan.is_some() {
-            let missing: Vec<usize> = (0..self.filled.len()).filter(|&s| !self.filled[s]).collect();
+            let missing: Vec<usize> = (0..self.filled.len()).filter(|&s| !self.filled[s] && !self.absent[s]).collect();
             ensure!(
                 missing.is_empty(),
                 ShapeContract,
                 "step {step}: the forward ran but {} never reached its hook; expected all {} layer slots, found {} \
                  (is the model's forward skipping hooked layers?)",
                 missing.iter().map(|&s| self.slot_name(s)).collect::<Vec<_>>().join(", "),
-                self.filled.len(),
+                self.filled.len() - self.absent.iter().filter(|&&a| a).count(),
                 self.filled.len() - missing.len()
             );
         }
@@ -334,8 +409,10 @@ impl Session {
             self.pending = Some(Pending { plan, events });
             return Ok(None);
         }
+        let present: Vec<bool> = self.absent.iter().map(|a| !a).collect();
+        let own: Vec<bool> = present.iter().zip(&self.imported).map(|(p, i)| *p && !i).collect();
         let view = self.arena.view();
-        let mut out = self.assembly.absorb(&self.cfg, &plan, events, &view)?;
+        let mut out = self.assembly.absorb(&self.cfg, &plan, events, &view, &present, &own)?;
         out.aborted = std::mem::take(&mut self.aborted);
         Ok(Some(out))
     }
@@ -353,3 +430,7 @@ mod tests;
 #[cfg(test)]
 #[path = "tests/fuzz.rs"]
 mod fuzz;
+
+#[cfg(test)]
+#[path = "tests/stages.rs"]
+mod stages_tests;

@@ -38,16 +38,11 @@ class WorkerCapture:
         vc = worker.vllm_config
         vllm_compat.check_eager(vc)
         vllm_compat.check_runner(worker.model_runner)
-        pp_size, _ = vllm_compat.pp_info()
-        if pp_size > 1:
-            raise CompatibilityError(
-                f"pipeline parallelism (pipeline_parallel_size={pp_size}) is not supported yet: layers on other stages "
-                "would not be captured; run with pipeline_parallel_size=1"
-            )
+        pp_size, pp_rank = vllm_compat.pp_info()
         n_layers, hidden, model_dtype, model = _model_facts(vc)
         layer_ids = cfg.resolve(n_layers)
         tp = vllm_compat.TPGroup()
-        writer = tp.rank == 0
+        writer = tp.rank == 0 and pp_rank == pp_size - 1  # the last stage assembles (pipeline.py)
         model_dtype = str(model_dtype).removeprefix("torch.")
         out_dtype = model_dtype if cfg.dtype == "auto" else cfg.dtype
         meta = {"format": "hscapture/1", "convention": cfg.convention, "layer_ids": ",".join(map(str, layer_ids)),
@@ -57,13 +52,20 @@ class WorkerCapture:
             assemble=writer, out_dir=cfg.out if writer else None,
             writer_threads=cfg.writer_threads, writer_queue=cfg.writer_queue, durable=cfg.durable, metadata=meta,
         )
-        self._init_state(cfg, session, tp, worker.model_runner, int(getattr(worker, "rank", 0)))
+        self._init_state(cfg, session, tp, worker.model_runner, int(getattr(worker, "rank", 0)), writer)
         self.num_hidden_layers, self.hidden_size, self.out_dtype = n_layers, hidden, out_dtype
-        self.device_path = self._enable_device(vc)
         name, layers = hooks.find_decoder_layers(worker.get_model(), n_layers)
-        self.handles = hooks.install(layers, self.capture_points(), self._on_capture)
-        log.info("hscapture: capturing %s ids %s at %s (%d hooks), tp rank %d/%d, writer=%s",
-                 cfg.convention, self.layer_ids, name, len(self.handles), self.tp.rank, self.tp.size, self.writer_rank)
+        points = self.capture_points()
+        local = [slot for slot, (_kind, k) in enumerate(points) if not hooks.is_missing(layers[k])]
+        if pp_size > 1:
+            from .pipeline import StageLink
+
+            self.link = StageLink(session, pp_size, pp_rank, tp.rank, local, len(points))
+        self.device_path = "host" if pp_size > 1 and torch.cuda.is_available() else self._enable_device(vc)
+        self.handles = hooks.install(layers, points, self._on_capture)
+        log.info("hscapture: capturing %s ids %s at %s (%d hooks), tp rank %d/%d, pp rank %d/%d, writer=%s",
+                 cfg.convention, self.layer_ids, name, len(self.handles), self.tp.rank, self.tp.size, pp_rank, pp_size,
+                 self.writer_rank)
 
     def _enable_device(self, vc: Any) -> str:
         """The capture path for CUDA tensors: ``device`` (kernel + arena + async copies), ``host`` (copies
@@ -90,13 +92,15 @@ class WorkerCapture:
                  arch, self.session.device_bytes / 2**20, rows)
         return "device"
 
-    def _init_state(self, cfg: CaptureConfig, session: Any, tp: Any, model_runner: Any, global_rank: int) -> None:
+    def _init_state(self, cfg: CaptureConfig, session: Any, tp: Any, model_runner: Any, global_rank: int,
+                    writer: bool | None = None) -> None:
         """Everything but vLLM: the parts tests assemble without an engine."""
         self.cfg = cfg
         self.session = session
         self.layer_ids = list(session.layer_ids)
         self.tp = tp
-        self.writer_rank = tp.rank == 0
+        self.writer_rank = tp.rank == 0 if writer is None else writer
+        self.link: Any = None
         self.model_runner = model_runner
         self.global_rank = global_rank
         self.handles: list[Any] = []
@@ -167,6 +171,8 @@ class WorkerCapture:
     def end(self) -> None:
         self._active = False
         try:
+            if self.link is not None and self.session.in_step:
+                self.link.exchange(self.step_order)
             self._check_expected()
             self._assembled(self.session.end_step())
         except HscaptureError as e:
@@ -249,6 +255,8 @@ class WorkerCapture:
         return [torch.cat([layers[r][k] for r in order], dim=0) for k in range(len(self.layer_ids))]
 
     def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
         for h in self.handles:
             h.remove()
         self.handles = []

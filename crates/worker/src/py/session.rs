@@ -238,6 +238,27 @@ impl CaptureSession {
         self.inner.step_rows()
     }
 
+    /// Pipeline parallelism: the slots this rank neither captures nor receives.
+    fn set_absent_slots(&mut self, slots: Vec<usize>) -> PyResult<()> {
+        guard("set_absent_slots", || Ok(self.inner.set_absent_slots(&slots)?))
+    }
+
+    /// This step's rows of `slots` as one message for the assembling pipeline stage.
+    fn export_slots<'py>(&self, py: Python<'py>, slots: Vec<usize>) -> PyResult<Bound<'py, PyBytes>> {
+        guard("export_slots", || {
+            let b = self.inner.export_slots(&slots)?;
+            Ok(PyBytes::new(py, &b))
+        })
+    }
+
+    /// Writes another stage's message (from `export_slots`) into this step; returns the slots filled.
+    fn import_slots(&mut self, py: Python<'_>, message: &[u8], sender: &str) -> PyResult<Vec<usize>> {
+        guard("import_slots", || {
+            let inner = &mut self.inner;
+            Ok(py.detach(|| inner.import_slots(message, sender))?)
+        })
+    }
+
     /// Drops the step in progress (its forward failed).
     fn abandon_step(&mut self) {
         self.inner.abandon_step();

@@ -1,0 +1,98 @@
+"""TP=N against TP=1 on real-width models (run on a multi-GPU machine with vLLM):
+
+    VLLM_WORKER_MULTIPROC_METHOD=spawn python3 bench/tp_equal.py --shapes llama8b,dsv3 --tp 2 --out /tmp/tpeq
+
+For each shape: a model of that width (fewer layers and, for DeepSeek-V3, fewer routed experts, so that it
+is built in seconds) gets random weights from a fixed seed and is saved once; `hscapture extract` then
+captures the same prompts at TP=1 and at TP=N from those weights, and every token of every sample is compared
+(relative error per token and layer; bf16 with a different all-reduce order, so not bit-equal). Prints one
+line per shape and exits non-zero when a shape exceeds --tol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from gpu import LAYERS, SHAPES  # noqa: E402
+
+REDUCED = {"llama8b": {"num_hidden_layers": 4}, "dsv3": {"num_hidden_layers": 4, "n_routed_experts": 16, "n_group": 4,
+                                                        "topk_group": 2}}
+IDS = {"llama8b": [0, 1, 2, 3], "dsv3": [0, 1, 2, 3]}
+
+
+def build(name: str, mdir: Path) -> None:
+    if (mdir / "config.json").exists():
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = {**SHAPES[name], **REDUCED[name]}
+    mdir.mkdir(parents=True, exist_ok=True)
+    (mdir / "src-config.json").write_text(json.dumps(cfg))
+    conf = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(conf, torch_dtype=torch.bfloat16)
+    model.save_pretrained(mdir)
+    c = json.loads((mdir / "config.json").read_text())
+    c.update({k: cfg[k] for k in ("topk_method", "scoring_func") if k in cfg})
+    (mdir / "config.json").write_text(json.dumps(c, indent=1))
+
+
+def capture(mdir: Path, out: Path, tp: int, prompts: Path, ids: list[int]) -> None:
+    cmd = [sys.executable, "-m", "hscapture", "extract", "--model", str(mdir), "--input", str(prompts), "--out", str(out),
+           "--convention", "after", "--layers", ",".join(map(str, ids)), "--tp", str(tp), "--dtype", "bfloat16",
+           "--max-num-batched-tokens", "2048", "--no-fsync", "--overwrite"]
+    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0", "HSCAPTURE_DEVICE_PATH": "required"}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"TP={tp} capture of {mdir.name} failed:\n" + "\n".join((r.stdout + r.stderr).splitlines()[-30:]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="llama8b,dsv3")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--tol", type=float, default=3e-2)
+    ap.add_argument("--out", default="/tmp/tpeq")
+    args = ap.parse_args()
+    from hscapture import load_sample
+    from hscapture.compare import compare
+
+    out = Path(args.out)
+    bad = []
+    for name in args.shapes.split(","):
+        mdir = out / f"model-{name}"
+        build(name, mdir)
+        vocab = SHAPES[name]["vocab_size"]
+        rng = random.Random(3)
+        lens = [rng.choice([7, 63, 300, 1000, 2500]) + rng.randrange(20) for _ in range(args.prompts)]
+        pfile = out / f"prompts-{name}.jsonl"
+        pfile.write_text("".join(json.dumps({"token_ids": [rng.randrange(10, vocab) for _ in range(n)]}) + "\n" for n in lens))
+        runs = {}
+        for tp in (1, args.tp):
+            capture(mdir, out / f"{name}-tp{tp}", tp, pfile, IDS[name])
+            runs[tp] = [load_sample(out / f"{name}-tp{tp}" / "hidden_states" / f"hs_{i}.safetensors")
+                        for i in range(args.prompts)]
+        same_tokens = all(a["token_ids"].tolist() == b["token_ids"].tolist() for a, b in zip(runs[1], runs[args.tp]))
+        cmp = compare([s["hidden_states"] for s in runs[args.tp]], [s["hidden_states"] for s in runs[1]])
+        ok = same_tokens and cmp.ok(args.tol)
+        print(f"TP_EQUAL {name}: TP={args.tp} vs TP=1, {args.prompts} prompts, {cmp.tokens} tokens x {len(IDS[name])} layers "
+              f"(layers {LAYERS[name]} not used: reduced depth), token ids equal {same_tokens}, worst relative error "
+              f"{cmp.worst:.2e} at (sample, token, layer) {cmp.where}: {'OK' if ok else 'FAIL'}", flush=True)
+        if not ok:
+            bad.append(name)
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()

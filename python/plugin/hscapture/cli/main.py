@@ -22,8 +22,20 @@ def parser() -> argparse.ArgumentParser:
 
     ex = sub.add_parser("extract", help="capture hidden states for a file of prompts")
     ex.add_argument("--model", required=True, help="local model directory (config.json + weights)")
-    ex.add_argument("--input", required=True, help='JSONL, one {"token_ids": [...]} per line')
+    ex.add_argument("--input", required=True,
+                    help='JSONL (one {"token_ids": [...]} or {"text": "..."} per line; sample i = line i), or speculators\' '
+                         "prepared dataset (a datasets save_to_disk directory with input_ids; sample i = row i)")
+    ex.add_argument("--tokenizer", default=None, help="tokenizer directory for \"text\" lines (default: the model's)")
     ex.add_argument("--out", required=True, help="output directory (hidden_states/hs_{i}.safetensors, manifest.json)")
+    ex.add_argument("--format", default="hscapture", choices=["hscapture", "legacy"],
+                    help="hscapture: hidden_states/hs_{i}.safetensors (speculators' current training); legacy: "
+                         "data_{i}.pt + sample_lengths.json + data_config.json (speculators 0.3/0.4)")
+    ex.add_argument("--shard", default=None, metavar="K/N",
+                    help="capture only rows i with i %% N == K (file names keep the global i); join with hscapture merge")
+    ex.add_argument("--executor", default=None,
+                    help="vLLM's distributed_executor_backend, e.g. ray for TP across nodes (see docs/operations.md)")
+    ex.add_argument("--log-every", type=float, default=30.0,
+                    help="seconds between progress lines when stdout is not a terminal (0: none)")
     ex.add_argument("--layers", type=_ids, default=None, help="layer ids, e.g. 2,4,5 (default: the convention's usual ids)")
     ex.add_argument("--convention", required=True, choices=["after", "before"],
                     help="after: id i = output of decoder layer i; before: id i = input of layer i (0 = embeddings, N = final)")
@@ -51,6 +63,11 @@ def parser() -> argparse.ArgumentParser:
     rs.add_argument("script")
     rs.add_argument("args", nargs=argparse.REMAINDER)
 
+    me = sub.add_parser("merge", help="merge the shard directories of one sharded extract into one capture")
+    me.add_argument("out", help="new output directory")
+    me.add_argument("shards", nargs="+", help="the shard directories (extract --shard k/n), every k once")
+    me.add_argument("--move", action="store_true", help="move the files instead of hard-linking them")
+
     ve = sub.add_parser("verify", help="check a capture directory against its manifest and the contract")
     ve.add_argument("dir")
     ve.add_argument("--model", default=None, help="also recompute samples with HF transformers and compare")
@@ -68,15 +85,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "extract":
             quiet_vllm()
             from .extract import ExtractOptions, run_extract
-            from .inputs import read_prompts
+            from .inputs import open_input
 
+            tty = sys.stdout.isatty()
             rep = run_extract(ExtractOptions(
-                model=args.model, prompts=read_prompts(args.input), out=args.out, convention=args.convention,
-                layers=args.layers, tp=args.tp, dtype=args.dtype, store_dtype=args.store_dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len, overwrite=args.overwrite, resume=args.resume,
-                writer_threads=args.writer_threads,
-                durable=not args.no_fsync, progress=sys.stderr.isatty()))
+                model=args.model, prompts=open_input(args.input, args.model, args.tokenizer), out=args.out,
+                convention=args.convention, layers=args.layers, tp=args.tp, dtype=args.dtype, store_dtype=args.store_dtype,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                overwrite=args.overwrite, resume=args.resume, writer_threads=args.writer_threads,
+                durable=not args.no_fsync, progress=tty, log_every=0.0 if tty else args.log_every, format=args.format,
+                shard=args.shard, executor=args.executor, input_path=str(Path(args.input).resolve())))
             for line in rep.lines():
+                print(line)
+            return 0
+        if args.cmd == "merge":
+            from .merge import run_merge
+
+            for line in run_merge(Path(args.out), [Path(d) for d in args.shards], move=args.move).lines():
                 print(line)
             return 0
         if args.cmd == "demo":

@@ -1,0 +1,113 @@
+"""What a user sees of a run: a progress bar on a terminal (tqdm), plain log lines every N seconds otherwise,
+and the end report.
+
+The progress is the driver's own view: a request that finished its prefill has had its states captured and
+handed to the writer (whose queue is bounded, ``writer_queue``), so samples, tokens and bytes count finished
+requests, bytes being ``tokens x layers x hidden x dtype size`` (the files add a small header). The end report's
+figures are the writer's records of the files on disk.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+
+def _hms(s: float) -> str:
+    return str(timedelta(seconds=int(s))) if s == s and s != float("inf") else "?"
+
+
+class Progress:
+    """Counts finished samples; draws a bar (``interactive``) or prints a line every ``every`` seconds."""
+
+    def __init__(self, samples: int, tokens: int, bytes_per_token: int, *, interactive: bool, every: float = 30.0,
+                 stream=None, label: str = "capture") -> None:
+        self.total_samples, self.total_tokens, self.bpt = samples, tokens, bytes_per_token
+        self.samples = self.tokens = 0
+        self.every, self.stream = every, stream or sys.stdout
+        self.t0 = time.monotonic()
+        self._last = self.t0
+        self._bar = None
+        if interactive:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=samples, desc=label, unit="sample", file=self.stream, dynamic_ncols=True,
+                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} samples [{elapsed}] {postfix}")
+
+    def _figures(self) -> tuple[float, float, float]:
+        dt = max(time.monotonic() - self.t0, 1e-9)
+        rate = self.tokens / dt
+        eta = (self.total_tokens - self.tokens) / rate if rate > 0 else float("nan")
+        return rate, self.tokens * self.bpt / 1e9, eta
+
+    def line(self) -> str:
+        rate, gb, eta = self._figures()
+        pct = 100.0 * self.samples / self.total_samples if self.total_samples else 100.0
+        return (f"[hscapture] {self.samples}/{self.total_samples} samples ({pct:.1f}%), {self.tokens:,} tokens, "
+                f"{rate:,.0f} tokens/s, {gb:.3f} GB, elapsed {_hms(time.monotonic() - self.t0)}, ETA {_hms(eta)}")
+
+    def update(self, samples: int, tokens: int) -> None:
+        self.samples += samples
+        self.tokens += tokens
+        now = time.monotonic()
+        if self._bar is not None:
+            self._bar.update(samples)
+            if now - self._last >= 0.5 or self.samples == self.total_samples:
+                rate, gb, eta = self._figures()
+                self._bar.set_postfix_str(f"{rate:,.0f} tok/s, {gb:.2f} GB, ETA {_hms(eta)}", refresh=False)
+                self._last = now
+        elif now - self._last >= self.every:
+            print(self.line(), file=self.stream, flush=True)
+            self._last = now
+
+    def close(self) -> None:
+        if self._bar is not None:
+            rate, gb, _ = self._figures()
+            self._bar.set_postfix_str(f"{rate:,.0f} tok/s, {gb:.2f} GB", refresh=True)
+            self._bar.close()
+            self._bar = None
+        else:
+            print(self.line(), file=self.stream, flush=True)
+
+
+@dataclass
+class ExtractReport:
+    out: str
+    samples: int
+    tokens: int
+    bytes: int
+    seconds: float
+    layer_ids: list[int]
+    convention: str
+    dtype: str
+    shims: list[str]
+    device_path: str = "none"
+    resumed: int = 0
+    format: str = "hscapture"
+    shard: str | None = None
+    checks: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def where(self) -> str:
+        if self.format == "legacy":
+            return f"{self.out}/data_{{i}}.pt + sample_lengths.json + data_config.json + manifest.json"
+        return f"{self.out}/hidden_states/hs_{{i}}.safetensors + manifest.json"
+
+    def lines(self) -> list[str]:
+        out = [
+            f"samples     {self.samples}" + (f" (+{self.resumed} finished earlier, kept)" if self.resumed else ""),
+            f"tokens      {self.tokens}",
+            f"bytes       {self.bytes} ({self.bytes / 2**20:.1f} MiB)",
+            f"throughput  {self.tokens_per_s:,.0f} tokens/s ({self.seconds:.1f} s capture)",
+            f"layers      {self.layer_ids} ({self.convention} convention), {self.dtype}",
+        ]
+        if self.shard:
+            out.append(f"shard       {self.shard} (global row indices; combine with hscapture merge)")
+        out += [f"checks      {c}" for c in self.checks]
+        out.append(f"output      {self.where()}")
+        return out

@@ -42,6 +42,8 @@ def build(name: str, mdir: Path) -> None:
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(conf, torch_dtype=torch.bfloat16)
     model.save_pretrained(mdir)
+    del model  # vLLM, started next, checks that the GPU memory it is to take is free
+    torch.cuda.empty_cache()
     c = json.loads((mdir / "config.json").read_text())
     c.update({k: cfg[k] for k in ("topk_method", "scoring_func") if k in cfg})
     (mdir / "config.json").write_text(json.dumps(c, indent=1))
@@ -83,6 +85,16 @@ def main() -> None:
             capture(mdir, out / f"{name}-tp{tp}", tp, pfile, IDS[name])
             runs[tp] = [load_sample(out / f"{name}-tp{tp}" / "hidden_states" / f"hs_{i}.safetensors")
                         for i in range(args.prompts)]
+        import torch
+
+        from hscapture.compare import relative_errors
+
+        errs = torch.cat([relative_errors(a["hidden_states"], b["hidden_states"]) for a, b in zip(runs[args.tp], runs[1])])
+        for k in range(errs.shape[1]):
+            e = errs[:, k]
+            print(f"TP_EQUAL {name} layer slot {k} (after-layer id {IDS[name][k]}): worst {float(e.max()):.2e}, "
+                  f"median {float(e.median()):.2e}, p99 {float(e.quantile(0.99)):.2e}, tokens above {args.tol:g}: "
+                  f"{int((e > args.tol).sum())} of {e.numel()}", flush=True)
         same_tokens = all(a["token_ids"].tolist() == b["token_ids"].tolist() for a, b in zip(runs[1], runs[args.tp]))
         cmp = compare([s["hidden_states"] for s in runs[args.tp]], [s["hidden_states"] for s in runs[1]])
         ok = same_tokens and cmp.ok(args.tol)

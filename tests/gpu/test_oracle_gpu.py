@@ -1,5 +1,6 @@
 """The whole path on a GPU with real vLLM: capture through the CUDA device path equals HF transformers
 token by token (float32), chunked prefill forced, several prompts; and the device path was the one used.
+Both model runners: V1 and Model Runner V2 (which orders each step itself).
 
 Tolerance 5e-3 (CPU oracle tests: 1e-3): vLLM's Triton attention computes float32 dot products in TF32
 on the GPU. A shifted layer must still be far outside it."""
@@ -14,8 +15,9 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.gpu
 
 
-def test_gpu_capture_matches_transformers(tmp_path, tiny_model, monkeypatch):
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+@pytest.mark.parametrize("runner", ["0", "1"], ids=["v1-runner", "v2-runner"])
+def test_gpu_capture_matches_transformers(tmp_path, tiny_model, monkeypatch, runner):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", runner)
     monkeypatch.setenv("HSCAPTURE_DEVICE_PATH", "required")
     from hscapture import load_sample, reference
     from hscapture.cli.extract import ExtractOptions, run_extract
@@ -28,10 +30,14 @@ def test_gpu_capture_matches_transformers(tmp_path, tiny_model, monkeypatch):
                                      layers=[0, 2, 4], tp=1, dtype="float32", max_num_batched_tokens=48,
                                      progress=False, durable=False,
                                      llm_kwargs={"gpu_memory_utilization": 0.3, "max_num_seqs": 8}))
-    assert rep.samples == len(ps) and rep.device_path == "device"
+    import json
+
+    man = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    got = sorted((r["index"], r["length"]) for r in man["samples"])
+    assert rep.samples == len(ps) and rep.device_path == "device", f"{rep}; records (index, length) {got}"
     ours = [load_sample(tmp_path / "out" / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"] for i in range(len(ps))]
     cmp = compare(ours, reference.compute(model, ps, rep.layer_ids, "before"))
-    print(f"GPU_ORACLE worst relative error {cmp.worst:.2e} at {cmp.where}")
+    print(f"GPU_ORACLE runner V{int(runner) + 1} worst relative error {cmp.worst:.2e} at {cmp.where}")
     assert cmp.ok(5e-3), f"worst relative error {cmp.worst:.2e} at {cmp.where}"
     shifted = compare(ours, reference.compute(model, ps, [i + 1 for i in rep.layer_ids[:-1]] + [rep.layer_ids[-1]], "before"))
     assert shifted.worst > 0.05, f"a shifted layer passed ({shifted.worst:.2e})"

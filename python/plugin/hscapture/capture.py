@@ -37,7 +37,6 @@ class WorkerCapture:
     def __init__(self, worker: Any, cfg: CaptureConfig) -> None:
         vc = worker.vllm_config
         vllm_compat.check_eager(vc)
-        vllm_compat.check_runner(worker.model_runner)
         pp_size, pp_rank = vllm_compat.pp_info()
         n_layers, hidden, model_dtype, model = _model_facts(vc)
         layer_ids = cfg.resolve(n_layers)
@@ -102,6 +101,8 @@ class WorkerCapture:
         self.writer_rank = tp.rank == 0 if writer is None else writer
         self.link: Any = None
         self.model_runner = model_runner
+        self.order = vllm_compat.RunnerOrder(model_runner) if model_runner is not None else None
+        self._scheduled: dict[str, int] = {}
         self.global_rank = global_rank
         self.handles: list[Any] = []
         self.device_path = "none"
@@ -120,7 +121,7 @@ class WorkerCapture:
 
     def step_order(self) -> list[str]:
         """Request ids in the order the model runner laid out the step being executed."""
-        return vllm_compat.runner_order(self.model_runner)
+        return self.order.order(self._scheduled)
 
     # -- the step protocol -------------------------------------------------------------------
     def _failed(self, e: HscaptureError) -> None:
@@ -141,6 +142,9 @@ class WorkerCapture:
             self._failed(e)
             raise
         self._total = int(scheduler_output.total_num_scheduled_tokens)
+        self._scheduled = dict(scheduler_output.num_scheduled_tokens)
+        if self.order is not None:
+            self.order.reset()
         self._active = True
         for r in scheduler_output.scheduled_new_reqs:
             if r.req_id not in self._admitted_set:

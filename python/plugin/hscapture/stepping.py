@@ -34,7 +34,7 @@ def run_step(worker: Any, call: Callable[..., Any], scheduler_output: Any, *args
     """``call(scheduler_output, ...)`` (the base ``execute_model``) bracketed by the worker's capture."""
     complete_pending_sample(worker)
     cap = getattr(worker, "_hscapture", None)
-    if cap is None:
+    if cap is None or getattr(worker, "_hscapture_paused", False):
         return call(scheduler_output, *args, **kwargs)
     cap.begin(scheduler_output)
     try:

@@ -76,21 +76,72 @@ def step_args(so: Any) -> tuple:
     return new, cached, scheduled, int(so.total_num_scheduled_tokens), finished, preempted
 
 
-def check_runner(model_runner: Any) -> None:
-    """Refuses model runners whose step order hscapture cannot read."""
-    if not hasattr(model_runner, "input_batch"):
-        raise CompatibilityError(
-            f"the model runner {type(model_runner).__module__}.{type(model_runner).__name__} has no `input_batch` "
-            "(Model Runner V2); hscapture cannot yet read the token order it uses, and will not guess. Run with "
-            "VLLM_USE_V2_MODEL_RUNNER=0"
-        )
+class RunnerOrder:
+    """The order in which the model runner laid out the step being executed, read from the runner itself.
 
+    - V1 runner (``GPUModelRunner``, ``CPUModelRunner``): ``input_batch.req_ids[:num_reqs]`` is the
+      persistent batch the forward reads, each request's tokens consecutive.
+    - Model Runner V2 (no ``input_batch``; it sorts each step itself: decodes, short extends, prefills):
+      the ``InputBatch`` its ``prepare_inputs`` returned for this step, kept by wrapping that method on
+      the runner instance. Its ``query_start_loc_np`` must show each request's tokens consecutive in
+      ``req_ids`` order, and its per-request counts must equal the scheduler's; anything else is refused.
+    """
 
-def runner_order(model_runner: Any) -> list[str]:
-    """Request ids in the order the runner laid out the step being executed."""
-    batch = model_runner.input_batch
-    n = batch.num_reqs
-    return [rid for rid in batch.req_ids[:n]]
+    def __init__(self, model_runner: Any) -> None:
+        self.runner = model_runner
+        self._batch: Any = None
+        if hasattr(model_runner, "input_batch"):
+            self.kind = "v1"
+        elif callable(getattr(model_runner, "prepare_inputs", None)):
+            self.kind = "v2"
+            inner = model_runner.prepare_inputs
+
+            def prepare_inputs(*args: Any, **kwargs: Any) -> Any:
+                batch = inner(*args, **kwargs)
+                self._batch = batch
+                return batch
+
+            model_runner.prepare_inputs = prepare_inputs  # this instance only
+        else:
+            raise CompatibilityError(
+                f"the model runner {type(model_runner).__module__}.{type(model_runner).__name__} has neither "
+                "`input_batch` (V1 runner) nor `prepare_inputs` (Model Runner V2); hscapture cannot read the token order "
+                "it uses and will not guess. Try VLLM_USE_V2_MODEL_RUNNER=0 or 1, and report this vLLM version"
+            )
+
+    def reset(self) -> None:
+        """At the start of each step: the previous step's batch must never be read for this one."""
+        self._batch = None
+
+    def order(self, scheduled: dict[str, int] | None = None) -> list[str]:
+        if self.kind == "v1":
+            batch = self.runner.input_batch
+            return list(batch.req_ids[: batch.num_reqs])
+        b = self._batch
+        if b is None:
+            raise CompatibilityError(
+                "Model Runner V2 ran a forward for this step without calling `prepare_inputs` (or hscapture's wrapper "
+                "was replaced); the step's token order is unknown — run with VLLM_USE_V2_MODEL_RUNNER=0"
+            )
+        n = int(b.num_reqs)
+        ids = list(b.req_ids[:n])
+        counts = [int(x) for x in b.num_scheduled_tokens[:n]]
+        starts = [int(x) for x in b.query_start_loc_np[: n + 1]]
+        if starts[0] != 0 or any(starts[i + 1] - starts[i] != counts[i] for i in range(n)):
+            raise CompatibilityError(
+                f"Model Runner V2 laid out this step's {n} requests non-contiguously (query_start_loc {starts[:9]}, "
+                f"counts {counts[:8]}); hscapture reads each request's tokens as one consecutive run and will not guess "
+                "— run with VLLM_USE_V2_MODEL_RUNNER=0"
+            )
+        if scheduled is not None and dict(zip(ids, counts)) != {k: int(v) for k, v in scheduled.items()}:
+            from .errors import AttributionError
+
+            raise AttributionError(
+                f"Model Runner V2's batch for this step ({dict(list(zip(ids, counts))[:6])}) does not hold the tokens the "
+                f"scheduler scheduled ({dict(list(scheduled.items())[:6])}); speculative drafts or padding? hscapture "
+                "captures only what the scheduler attributes"
+            )
+        return ids
 
 
 def check_eager(vllm_config: Any) -> None:

@@ -25,6 +25,7 @@ class CaptureWorker(HiddenStatesRPC, _Base):  # type: ignore[misc, valid-type]
     capture_cls: type[WorkerCapture] = WorkerCapture
     _hscapture_brackets_steps = True
     _hscapture: WorkerCapture | None = None
+    _hscapture_paused = False
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
@@ -37,6 +38,15 @@ class CaptureWorker(HiddenStatesRPC, _Base):  # type: ignore[misc, valid-type]
             section = (additional or {}).get("hscapture") if isinstance(additional, dict) else None
             record_failure((section or {}).get("out"), int(getattr(self, "rank", 0)), e)
             raise
+
+    def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
+        """Warm-up forwards are not data: Model Runner V2 warms up with real-looking requests
+        (``_warmup_{i}_``) through ``execute_model``; nothing is captured until it is done."""
+        self._hscapture_paused = True
+        try:
+            return super().compile_or_warm_up_model(*args, **kwargs)
+        finally:
+            self._hscapture_paused = False
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any):
         return stepping.run_step(self, super().execute_model, scheduler_output, *args, **kwargs)

@@ -9,6 +9,7 @@ pub mod device;
 pub mod error;
 pub mod gpu;
 pub mod layers;
+pub mod layout;
 pub mod manifest;
 pub mod plan;
 pub mod pool;

@@ -62,6 +62,7 @@ class WorkerCapture:
             self.link = StageLink(session, pp_size, pp_rank, tp.rank, local, len(points))
         self.device_path = "host" if pp_size > 1 and torch.cuda.is_available() else self._enable_device(vc)
         self.handles = hooks.install(layers, points, self._on_capture)
+        self.handles += hooks.install_positions_probe(layers, self._on_positions)
         log.info("hscapture: capturing %s ids %s at %s (%d hooks), tp rank %d/%d, pp rank %d/%d, writer=%s",
                  cfg.convention, self.layer_ids, name, len(self.handles), self.tp.rank, self.tp.size, pp_rank, pp_size,
                  self.writer_rank)
@@ -108,6 +109,7 @@ class WorkerCapture:
         self.device_path = "none"
         self._active = False
         self._total = 0
+        self._forward_tokens = 0
         # The RPC surface (speculators' drivers): the driver's per-step view, admission order, answer shape.
         self._expected: dict[str, int] | None = None
         self._metadata_seen = False
@@ -142,6 +144,7 @@ class WorkerCapture:
             self._failed(e)
             raise
         self._total = int(scheduler_output.total_num_scheduled_tokens)
+        self._forward_tokens = 0
         self._scheduled = dict(scheduler_output.num_scheduled_tokens)
         if self.order is not None:
             self.order.reset()
@@ -151,10 +154,27 @@ class WorkerCapture:
                 self._admitted_set.add(r.req_id)
                 self._admitted.append(r.req_id)
 
+    def _on_positions(self, n: int) -> None:
+        if self._active:
+            self._forward_tokens = n
+
+    def _unshard(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None):
+        """A residual stream sharded across the TP ranks (sequence-parallel MoE) is gathered, in rank
+        order, before capture; a shape that is neither replicated nor that sharding is refused."""
+        if hidden.shape[0] >= self._total:
+            return hidden, residual
+        where = f"layer id {self.layer_ids[slot]} ({self.cfg.convention} convention, slot {slot})"
+        chunk = _native.row_layout(int(hidden.shape[0]), self._forward_tokens or self._total, self._total,
+                                   self.tp.size, self.tp.rank, where)
+        if chunk is None:
+            return hidden, residual
+        return self.tp.gather_rows(hidden), (self.tp.gather_rows(residual) if residual is not None else None)
+
     def _on_capture(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
         if not self._active:
             return  # profiling, warm-up and dummy runs
         try:
+            hidden, residual = self._unshard(slot, hidden, residual)
             self._capture(slot, hidden, residual)
         except HscaptureError as e:
             self._failed(e)

@@ -95,3 +95,23 @@ def install(layers: torch.nn.ModuleList, points: list[tuple[str, int]], capture:
             raise CompatibilityError(f"unknown capture point {kind!r}")
     return handles
 
+
+
+def install_positions_probe(layers: torch.nn.ModuleList, seen: Callable[[int], None]) -> list[Any]:
+    """A pre-hook on the first decoder layer this rank runs, reporting how many tokens the forward runs
+    (its ``positions``, padding included): what a sharded residual stream was split from. No hook if the
+    layer takes no ``positions`` (the step's scheduled count is used instead)."""
+    for layer in layers:
+        if is_missing(layer):
+            continue
+        pi = _arg_index(layer, "positions")
+        if pi is None:
+            return []
+
+        def pre(_mod, args, kwargs, pi=pi):
+            p = kwargs.get("positions", args[pi] if pi < len(args) else None)
+            if isinstance(p, torch.Tensor):
+                seen(int(p.shape[-1]))
+
+        return [layer.register_forward_pre_hook(pre, with_kwargs=True)]
+    return []

@@ -168,6 +168,13 @@ class TPGroup:
         self.rank = int(g.rank_in_group)
         self._cpu_group = g.cpu_group
 
+    def gather_rows(self, t: Any) -> Any:
+        """The TP ranks' row shards of one tensor, concatenated in rank order (vLLM's all-gather:
+        NCCL on GPUs, gloo/shared memory on CPU)."""
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return get_tp_group().all_gather(t.contiguous(), dim=0)
+
     def all_gather_i64(self, value: int) -> list[int]:
         import torch
         import torch.distributed as dist

@@ -100,6 +100,18 @@ fn scan_finished<'py>(py: Python<'py>, root: PathBuf) -> PyResult<(Bound<'py, Py
 
 /// Panics inside `guard` on purpose: proves that a Rust panic reaches Python as `HscaptureError`
 /// (not as `BaseException`). For tests only.
+/// How a layer's rows on this rank relate to the step's tokens: None (replicated) or the rows per
+/// rank of vLLM's sequence-parallel sharding (gather, then read the first rows). See `layout.rs`.
+#[pyfunction]
+fn row_layout(rows: usize, forward_tokens: usize, step_tokens: usize, tp_size: usize, tp_rank: usize, what: &str) -> PyResult<Option<usize>> {
+    guard("row_layout", || {
+        Ok(match crate::layout::row_layout(rows, forward_tokens, step_tokens, tp_size, tp_rank, what)? {
+            crate::layout::RowLayout::Replicated => None,
+            crate::layout::RowLayout::Sharded { chunk } => Some(chunk),
+        })
+    })
+}
+
 #[pyfunction]
 fn _panic_for_test(msg: &str) -> PyResult<()> {
     guard("_panic_for_test", || -> PyResult<()> { std::panic::panic_any(msg.to_string()) })
@@ -124,6 +136,7 @@ fn cuda_probe() -> PyResult<String> {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate_layers, m)?)?;
+    m.add_function(wrap_pyfunction!(row_layout, m)?)?;
     m.add_function(wrap_pyfunction!(default_layers, m)?)?;
     m.add_function(wrap_pyfunction!(capture_points, m)?)?;
     m.add_function(wrap_pyfunction!(write_manifest, m)?)?;

@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# Runs every test: Rust unit tests, then the Python suites against the venv made by scripts/setup.sh.
+# Runs every test: Rust unit tests; the Python suites against the venv made by scripts/setup.sh (vLLM 0.16);
+# then the integration suite again against the newest CPU build ($HSCAPTURE_VENV_NEWEST, default .venv-newest),
+# unless HSCAPTURE_NEWEST=0. GPU tests skip without CUDA (run them on a GPU machine: docs/benchmarks.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${HSCAPTURE_VENV:-.venv}
+NEWEST_VENV=${HSCAPTURE_VENV_NEWEST:-.venv-newest}
 echo "[test] cargo test"
 cargo test --workspace -q
-echo "[test] pytest (unit, integration; GPU tests skip without CUDA)"
+echo "[test] pytest: unit, integration on $("$VENV/bin/python" -c 'import vllm; print("vLLM", vllm.__version__)'); GPU tests skip without CUDA"
 "$VENV/bin/python" -m pytest tests -q "$@"
+if [ "${HSCAPTURE_NEWEST:-1}" != "0" ]; then
+  echo "[test] pytest: integration on $("$NEWEST_VENV/bin/python" -c 'import vllm; print("vLLM", vllm.__version__)') (the newest CPU build)"
+  "$NEWEST_VENV/bin/python" -m pytest tests/integration -q "$@"
+fi

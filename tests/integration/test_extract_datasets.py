@@ -111,7 +111,8 @@ def test_shards_merge_into_the_unsharded_capture(prepared, tmp_path):
 
     model, d, ids, _, _ = prepared
     for k in (0, 1):
-        r = extract(model, d, tmp_path / f"s{k}", "--shard", f"{k}/2")
+        executor = ["--executor", "mp"] if k else []  # the pass-through to vLLM's distributed_executor_backend
+        r = extract(model, d, tmp_path / f"s{k}", "--shard", f"{k}/2", *executor)
         assert r.returncode == 0, r.stderr[-3000:]
         assert f"shard       {k}/2" in r.stdout
         got = sorted(p.name for p in (tmp_path / f"s{k}" / "hidden_states").iterdir())

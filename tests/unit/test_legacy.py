@@ -106,7 +106,7 @@ def test_resume_recovers_staged_files_and_refuses_changed_input(tmp_path):
     stage(tmp_path, 2, PROMPTS[2])
     (tmp_path / legacy.STAGING / "hidden_states" / ".hs_0.safetensors.partial-3-0").write_bytes(b"x")
     done = {}
-    legacy.Converter(tmp_path, ps, durable=False).recover({0, 1}, done)
+    assert legacy.Converter(tmp_path, ps, durable=False).recover({0, 1}, done) == 1
     assert sorted(done) == [1] and (tmp_path / "data_1.pt").exists()
     assert not any((tmp_path / legacy.STAGING / "hidden_states").iterdir()), "partial and other rows' files dropped"
     stage(tmp_path, 0, [1, 2, 3])

@@ -16,6 +16,8 @@ def test_log_lines_every_n_seconds_with_rate_bytes_and_eta():
     p.update(4, 400)
     line = s.getvalue().strip()
     assert line.startswith("[hscapture] 5/10 samples (50.0%), 500 tokens, ") and "tokens/s, 0.500 GB" in line
+    rate = float(line.split(" tokens/s")[0].rsplit(" ", 1)[-1].replace(",", ""))
+    assert 400 / 5 < rate < 400 / 0.06 * 1.01, "the rate counts from the first finished request (no warm-up)"
     assert "ETA 0:00:0" in line
     p.close()
     assert s.getvalue().strip().splitlines()[-1].startswith("[hscapture] 5/10 samples")
@@ -35,10 +37,13 @@ def test_report_names_checks_shard_format_and_place():
     r = ExtractReport(out="/o", samples=3, tokens=30, bytes=3 * 2**20, seconds=2.0, layer_ids=[1, 4], convention="before",
                       dtype="bfloat16", shims=[], resumed=2, format="legacy", shard="1/4", checks=["a", "b"])
     text = "\n".join(r.lines())
-    assert "samples     3 (+2 finished earlier, kept)" in text and "throughput  15 tokens/s" in text
+    assert "samples     3 (+2 finished earlier, kept)" in text and "throughput  15 tokens/s (2.0 s capture)" in text
+    r.steady_tokens_per_s = 1234.0
+    assert "throughput  15 tokens/s (2.0 s capture; 1,234 tokens/s after the first forward)" in "\n".join(r.lines())
     assert "shard       1/4" in text and "checks      a\nchecks      b" in text
     assert "output      /o/data_{i}.pt + sample_lengths.json + data_config.json + manifest.json" in text
 
 
 def test_request_ids_map_back_to_rows():
     assert index_of("hs-12") == 12 and index_of("hs-12-9f3a2b1c") == 12 and index_of("other") is None
+

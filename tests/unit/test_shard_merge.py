@@ -115,3 +115,36 @@ def test_merge_checks_file_sizes_against_the_manifest(tmp_path):
         run_merge(tmp_path / "out", [s0, s1])
     with pytest.raises(ConfigError, match="is one of the shards"):
         run_merge(s0, [s0, s1])
+
+
+def test_merge_legacy_shards(tmp_path):
+    from hscapture.cli import legacy
+
+    dirs = []
+    for k in (0, 1):
+        root = tmp_path / f"s{k}"
+        (root / legacy.STAGING / "hidden_states").mkdir(parents=True)
+        records = []
+        for i in range(k, ROWS, 2):
+            f = root / legacy.STAGING / "hidden_states" / f"hs_{i}.safetensors"
+            save_file({"hidden_states": torch.full((i + 1, 2, H), float(i)).to(torch.bfloat16),
+                       "token_ids": torch.arange(i + 1, dtype=torch.int64)}, str(f))
+            records.append(legacy.convert(f, root, i, None, durable=False))
+        meta = {"layer_ids": [1, 3], "convention": "after", "dtype": "bfloat16", "hidden_size": H}
+        legacy.write_sidecars(root, records, meta, model="/models/tiny", input_path="in.jsonl", num_samples=len(records),
+                              seq_length=8, tp=1, gpu_memory_utilization=None, durable=False)
+        m = {"format": "hscapture/1", "model": "/models/tiny", **meta, "num_hidden_layers": 4, "tensor_parallel_size": 1,
+             "created_by": {}, "samples": records}
+        _native.write_manifest(str(root / "manifest.json"), json.dumps(m))
+        ShardInfo(k, 2, ROWS, "in.jsonl", "xxh3:abc", "legacy").write(root)
+        (root / legacy.STAGING / "hidden_states").rmdir()
+        (root / legacy.STAGING).rmdir()
+        dirs.append(root)
+    rep = run_merge(tmp_path / "out", dirs)
+    assert rep.samples == ROWS
+    out = tmp_path / "out"
+    assert json.loads((out / "sample_lengths.json").read_text()) == {str(i): i + 1 for i in range(ROWS)}
+    assert json.loads((out / "data_config.json").read_text())["data"]["num_samples"] == ROWS
+    assert legacy.verify_dir(out)[3] == [] and legacy.verify_dir(out)[0] == ROWS
+    with pytest.raises(ConfigError, match="differ in format"):
+        run_merge(tmp_path / "mixed", [dirs[0], make_shard(tmp_path / "h1", 1, 2)])

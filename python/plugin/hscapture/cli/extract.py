@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .. import _native, failures, runtime_env
 from ..config import CaptureConfig
-from ..errors import ConfigError, OutputError
+from ..errors import CompatibilityError, ConfigError, OutputError
 from ..outlock import OutputLock
 from ..patches import apply_driver_shims
 from . import legacy
@@ -164,6 +164,25 @@ def _check_final_layer(ids: list[int], convention: str, n_layers: int, why: str)
         )
 
 
+def check_executor(executor: str | None) -> None:
+    """``--executor ray`` needs Ray installed and a vLLM platform that runs it (feature-detected: the platform's
+    ``ray_device_key``); refused before vLLM starts instead of a dead engine."""
+    if executor != "ray":
+        return
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ConfigError("--executor ray needs the `ray` package on every node (pip install ray); it is not "
+                          "installed here") from None
+    from vllm.platforms import current_platform
+
+    if not getattr(current_platform, "ray_device_key", ""):
+        raise CompatibilityError(
+            f"vLLM's {current_platform.device_name} platform does not run the Ray executor (no ray_device_key); use "
+            "--executor mp (one node) or run on GPUs"
+        )
+
+
 def _run_extract(opts: ExtractOptions) -> ExtractReport:
     prompts = as_prompt_set(opts.prompts)
     if opts.format not in ("hscapture", "legacy"):
@@ -178,6 +197,7 @@ def _run_extract(opts: ExtractOptions) -> ExtractReport:
         _check_final_layer(ids, opts.convention, n_layers, "speculators 0.3/0.4's trainer (--format legacy)")
     elif getattr(prompts, "kind", "") == "arrow":
         _check_final_layer(ids, opts.convention, n_layers, "speculators' training on a prepared dataset")
+    check_executor(opts.executor)
     shard = Shard.parse(opts.shard) if opts.shard else None
     rows = shard.rows(len(prompts)) if shard else list(range(len(prompts)))
     check_prompts(prompts, model_cfg, rows)
@@ -193,9 +213,9 @@ def _run_extract(opts: ExtractOptions) -> ExtractReport:
     if opts.resume:
         check_resume(out, info)
         done = finished_samples(out, prompts, ids, opts.convention, set(rows), opts.format)
-        if conv is not None:
-            conv.recover(set(rows), done)
-        checks.append(f"resume: {len(done)} finished files re-read whole, tokens equal to their prompts, kept")
+        staged = conv.recover(set(rows), done) if conv is not None else 0
+        checks.append(f"resume: {len(done)} finished files re-read whole, tokens equal to their prompts, kept"
+                      + (f" ({staged} of them converted now from the earlier run's staged files)" if staged else ""))
     if info is not None:
         info.write(out)
     todo = [i for i in rows if i not in done]
@@ -227,6 +247,8 @@ def _run_extract(opts: ExtractOptions) -> ExtractReport:
         kwargs["max_num_batched_tokens"] = opts.max_num_batched_tokens
     if opts.executor:
         kwargs["distributed_executor_backend"] = opts.executor
+    if opts.progress:
+        kwargs["use_tqdm_on_load"] = False  # one progress bar on the terminal: ours (generate's is not used either)
     kwargs.update(opts.llm_kwargs)
     try:
         llm = LLM(**kwargs)
@@ -271,7 +293,10 @@ def _run_extract(opts: ExtractOptions) -> ExtractReport:
         conv.drain([r["index"] for r in w["records"]])
         w = dict(w, records=[conv.records[r["index"]] for r in w["records"]])
         checks.append(f"legacy: {len(w['records'])} files converted from the writer's files (checksums carried over)")
-    return _finish(out, opts, prompts, rows, done, w, seconds, shims, ids, checks)
+    rep = _finish(out, opts, prompts, rows, done, w, seconds, shims, ids, checks)
+    if progress is not None:
+        rep.steady_tokens_per_s = progress.steady_rate()
+    return rep
 
 
 def _bytes_per_token(cfg: dict, opts: ExtractOptions, n: int) -> int:

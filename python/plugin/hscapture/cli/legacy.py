@@ -255,10 +255,11 @@ class Converter:
                 raise OutputError(f"sample {i} was reported written but {f} is missing; re-run with --resume")
             self._one(i)
 
-    def recover(self, rows: set[int], done: dict) -> None:
-        """``--resume``: staged files an interrupted run wrote but did not convert (their tokens checked)."""
+    def recover(self, rows: set[int], done: dict) -> int:
+        """``--resume``: staged files an interrupted run wrote but did not convert (their tokens checked); how many."""
         if not self.staged.is_dir():
-            return
+            return 0
+        n = 0
         for f in sorted(self.staged.iterdir()):
             if not (f.name.startswith("hs_") and f.name.endswith(".safetensors")):
                 if ".partial-" in f.name:
@@ -278,6 +279,8 @@ class Converter:
                                   "earlier run; start over with --overwrite or use another --out")
             self._one(i)
             done[i] = self.records[i]
+            n += 1
+        return n
 
 
 def verify_dir(root: Path) -> tuple[int, int, int, list[str]]:

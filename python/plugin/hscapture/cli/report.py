@@ -19,6 +19,10 @@ def _hms(s: float) -> str:
     return str(timedelta(seconds=int(s))) if s == s and s != float("inf") else "?"
 
 
+def _rate(r: float) -> str:
+    return f"{r:,.0f}" if r == r else "?"
+
+
 class Progress:
     """Counts finished samples; draws a bar (``interactive``) or prints a line every ``every`` seconds."""
 
@@ -29,26 +33,37 @@ class Progress:
         self.every, self.stream = every, stream or sys.stdout
         self.t0 = time.monotonic()
         self._last = self.t0
+        self._first: tuple[float, int] | None = None  # (time, tokens) at the first finished request
+        self._closed_rate: float | None = None
         self._bar = None
         if interactive:
             from tqdm import tqdm
 
             self._bar = tqdm(total=samples, desc=label, unit="sample", file=self.stream, dynamic_ncols=True,
-                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} samples [{elapsed}] {postfix}")
+                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} samples [{elapsed}{postfix}]")
 
     def _figures(self) -> tuple[float, float, float]:
-        dt = max(time.monotonic() - self.t0, 1e-9)
-        rate = self.tokens / dt
+        """tokens/s since the first request finished (the warm-up before it, the first forward, would distort the
+        rate and the ETA for hours), GB handed to the writer, seconds left."""
+        rate = float("nan")
+        if self._first is not None and time.monotonic() - self._first[0] > 1e-3:
+            rate = (self.tokens - self._first[1]) / (time.monotonic() - self._first[0])
         eta = (self.total_tokens - self.tokens) / rate if rate > 0 else float("nan")
         return rate, self.tokens * self.bpt / 1e9, eta
+
+    def steady_rate(self) -> float:
+        """tokens/s since the first request finished, up to ``close`` (NaN before a second step)."""
+        return self._closed_rate if self._closed_rate is not None else self._figures()[0]
 
     def line(self) -> str:
         rate, gb, eta = self._figures()
         pct = 100.0 * self.samples / self.total_samples if self.total_samples else 100.0
         return (f"[hscapture] {self.samples}/{self.total_samples} samples ({pct:.1f}%), {self.tokens:,} tokens, "
-                f"{rate:,.0f} tokens/s, {gb:.3f} GB, elapsed {_hms(time.monotonic() - self.t0)}, ETA {_hms(eta)}")
+                f"{_rate(rate)} tokens/s, {gb:.3f} GB, elapsed {_hms(time.monotonic() - self.t0)}, ETA {_hms(eta)}")
 
     def update(self, samples: int, tokens: int) -> None:
+        if self._first is None:
+            self._first = (time.monotonic(), tokens)
         self.samples += samples
         self.tokens += tokens
         now = time.monotonic()
@@ -56,16 +71,18 @@ class Progress:
             self._bar.update(samples)
             if now - self._last >= 0.5 or self.samples == self.total_samples:
                 rate, gb, eta = self._figures()
-                self._bar.set_postfix_str(f"{rate:,.0f} tok/s, {gb:.2f} GB, ETA {_hms(eta)}", refresh=False)
+                self._bar.set_postfix_str(f"{_rate(rate)} tok/s, {gb:.2f} GB, ETA {_hms(eta)}", refresh=False)
                 self._last = now
         elif now - self._last >= self.every:
             print(self.line(), file=self.stream, flush=True)
             self._last = now
 
     def close(self) -> None:
+        if self._closed_rate is None:
+            self._closed_rate = self._figures()[0]
         if self._bar is not None:
             rate, gb, _ = self._figures()
-            self._bar.set_postfix_str(f"{rate:,.0f} tok/s, {gb:.2f} GB", refresh=True)
+            self._bar.set_postfix_str(f"{_rate(rate)} tok/s, {gb:.2f} GB", refresh=True)
             self._bar.close()
             self._bar = None
         else:
@@ -88,6 +105,7 @@ class ExtractReport:
     format: str = "hscapture"
     shard: str | None = None
     checks: list[str] = field(default_factory=list)
+    steady_tokens_per_s: float = float("nan")  # after the first forward (its warm-up excluded), when measured
 
     @property
     def tokens_per_s(self) -> float:
@@ -103,7 +121,8 @@ class ExtractReport:
             f"samples     {self.samples}" + (f" (+{self.resumed} finished earlier, kept)" if self.resumed else ""),
             f"tokens      {self.tokens}",
             f"bytes       {self.bytes} ({self.bytes / 2**20:.1f} MiB)",
-            f"throughput  {self.tokens_per_s:,.0f} tokens/s ({self.seconds:.1f} s capture)",
+            f"throughput  {self.tokens_per_s:,.0f} tokens/s ({self.seconds:.1f} s capture"
+            + (f"; {self.steady_tokens_per_s:,.0f} tokens/s after the first forward)" if self.steady_tokens_per_s == self.steady_tokens_per_s else ")"),
             f"layers      {self.layer_ids} ({self.convention} convention), {self.dtype}",
         ]
         if self.shard:

@@ -68,3 +68,16 @@ def test_docs_follow_the_registry():
 
     root = Path(__file__).resolve().parents[2]
     assert (root / "docs" / "configuration.md").read_text() == envs.markdown(), "run `make docs`"
+
+
+def test_on_nonfinite_is_error_by_default_and_skip_on_request(monkeypatch):
+    from hscapture.config import from_sources
+
+    base = {"layers": [1], "convention": "after"}
+    assert from_sources({"hscapture": base}).on_nonfinite == "error"
+    assert from_sources({"hscapture": {**base, "on_nonfinite": "SKIP"}}).on_nonfinite == "skip"
+    monkeypatch.setenv("HSCAPTURE_ON_NONFINITE", "skip")
+    assert from_sources({"hscapture": base}).on_nonfinite == "skip"
+    monkeypatch.delenv("HSCAPTURE_ON_NONFINITE")
+    with pytest.raises(ConfigError, match="on_nonfinite='drop' is not valid; expected \"error\""):
+        from_sources({"hscapture": {**base, "on_nonfinite": "drop"}})

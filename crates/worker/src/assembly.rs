@@ -16,11 +16,25 @@ pub struct Assembly {
     emitted: HashSet<SampleKey>,
     pub stats: SessionStats,
     pub pool: Arc<BufferPool>,
+    /// Opt-in: a request with NaN/Inf values is skipped (reported, not written) instead of failing the run.
+    pub skip_nonfinite: bool,
+    /// Requests with non-finite values so far: the first finding, as a message.
+    poisoned: HashMap<String, String>,
+    /// Samples skipped for non-finite values: (sample, request id, why).
+    pub skipped: Vec<(SampleKey, String, String)>,
 }
 
 impl Default for Assembly {
     fn default() -> Self {
-        Assembly { bufs: HashMap::new(), emitted: HashSet::new(), stats: SessionStats::default(), pool: Arc::new(BufferPool::new(256)) }
+        Assembly {
+            bufs: HashMap::new(),
+            emitted: HashSet::new(),
+            stats: SessionStats::default(),
+            pool: Arc::new(BufferPool::new(256)),
+            skip_nonfinite: false,
+            poisoned: HashMap::new(),
+            skipped: Vec::new(),
+        }
     }
 }
 
@@ -48,23 +62,25 @@ impl Assembly {
 
     /// Drops a request's partial sample (it ended before its prompt was complete).
     pub fn drop_request(&mut self, req_id: &str) {
+        self.poisoned.remove(req_id);
         if let Some(b) = self.bufs.remove(req_id) {
             self.pool.put(b);
         }
     }
 
-    fn check_finite(cfg: &SessionConfig, plan: &StepPlan, rows: &dyn StepRows, present: &[bool]) -> CoreResult<()> {
+    /// Finds NaN/Inf values in the step's prompt rows. By default the first is an error naming sample,
+    /// layer, positions and count; with `skip_nonfinite` each affected request is remembered and its
+    /// sample is skipped when it completes.
+    fn check_finite(&mut self, cfg: &SessionConfig, plan: &StepPlan, rows: &dyn StepRows, present: &[bool]) -> CoreResult<()> {
         for slot in (0..cfg.layers.num_slots()).filter(|&s| present[s]) {
             for seg in &plan.segments {
                 let counts: Vec<u32> = (0..seg.len).map(|k| rows.nonfinite(slot, seg.arena_row + k)).collect();
                 let bad: u64 = counts.iter().map(|&c| u64::from(c)).sum();
                 if bad > 0 {
                     let first = counts.iter().position(|&c| c > 0).unwrap_or(0);
-                    bail!(
-                        NonFinite,
+                    let msg = format!(
                         "{} (request {:?}), {}: {bad} NaN/Inf values in prompt positions {}..{} (first at position {}), \
-                         shape [{}, {}] {}; the model produced non-finite activations — check the weights and the dtype \
-                         (float16 overflows where bfloat16 does not)",
+                         shape [{}, {}] {}",
                         seg.sample,
                         seg.req_id,
                         slot_name(cfg, slot),
@@ -74,6 +90,16 @@ impl Assembly {
                         seg.len,
                         cfg.hidden_size,
                         cfg.out_dtype
+                    );
+                    if self.skip_nonfinite {
+                        self.poisoned.entry(seg.req_id.clone()).or_insert(msg);
+                        continue;
+                    }
+                    bail!(
+                        NonFinite,
+                        "{msg}; the model produced non-finite activations — check the weights and the dtype (float16 \
+                         overflows where bfloat16 does not), or skip such samples (`on_nonfinite: skip`, \
+                         `hscapture extract --on-nonfinite skip`): they are then listed in the manifest"
                     );
                 }
             }
@@ -136,7 +162,7 @@ impl Assembly {
             plan.step,
             (0..slots).filter(|&s| present[s]).collect::<Vec<_>>()
         );
-        Self::check_finite(cfg, plan, rows, present)?;
+        self.check_finite(cfg, plan, rows, present)?;
         let checksum = step_checksum(rows, own, plan.arena_rows);
         let mut out = StepOutcome { step: plan.step, checksum, rows: plan.arena_rows, ..Default::default() };
         let rb = cfg.hidden_size * cfg.out_dtype.size();
@@ -150,6 +176,14 @@ impl Assembly {
                     Output,
                     "{sample} was completed twice in this run: two prompts carry the same sample index"
                 );
+                if let Some(why) = self.poisoned.remove(&req_id) {
+                    if let Some(b) = self.bufs.remove(&req_id) {
+                        self.pool.put(b);
+                    }
+                    self.stats.skipped += 1;
+                    self.skipped.push((sample, req_id, why));
+                    continue;
+                }
                 self.stats.samples += 1;
                 if !cfg.assemble {
                     continue;

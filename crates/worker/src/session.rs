@@ -58,6 +58,8 @@ pub struct SessionStats {
     pub rows: u64,
     pub samples: u64,
     pub aborted: u64,
+    /// Samples skipped for non-finite values (opt-in).
+    pub skipped: u64,
 }
 
 struct Pending {
@@ -165,6 +167,16 @@ impl Session {
             got.push(p.slot);
         }
         Ok(got)
+    }
+
+    /// Opt-in: skip (and report) samples with NaN/Inf values instead of failing the step.
+    pub fn set_skip_nonfinite(&mut self, skip: bool) {
+        self.assembly.skip_nonfinite = skip;
+    }
+
+    /// Samples skipped for non-finite values since the last call: (sample, request id, why).
+    pub fn take_skipped(&mut self) -> Vec<(SampleKey, String, String)> {
+        std::mem::take(&mut self.assembly.skipped)
     }
 
     /// Captures device tensors through `device` from now on.

@@ -51,6 +51,7 @@ class WorkerCapture:
             assemble=writer, out_dir=cfg.out if writer else None,
             writer_threads=cfg.writer_threads, writer_queue=cfg.writer_queue, durable=cfg.durable, metadata=meta,
         )
+        session.set_skip_nonfinite(cfg.on_nonfinite == "skip")
         self._init_state(cfg, session, tp, worker.model_runner, int(getattr(worker, "rank", 0)), writer)
         self.num_hidden_layers, self.hidden_size, self.out_dtype = n_layers, hidden, out_dtype
         name, layers = hooks.find_decoder_layers(worker.get_model(), n_layers)
@@ -304,6 +305,7 @@ class WorkerCapture:
             "writer": self.writer_rank,
             "records": records,
             "aborted": [list(a) for a in self.session.take_aborted()],
+            "skipped": [{"sample": k, "request_id": r, "why": why} for k, r, why in self.session.take_skipped()],
             "stats": dict(self.session.stats()),
             "device_path": self.device_path,
             "layer_ids": list(self.layer_ids),

@@ -21,6 +21,7 @@ _KEYS = {
     "writer_threads": "HSCAPTURE_WRITER_THREADS",
     "writer_queue": "HSCAPTURE_WRITER_QUEUE",
     "durable": "HSCAPTURE_DURABLE",
+    "on_nonfinite": "HSCAPTURE_ON_NONFINITE",
 }
 _EXTRA_KEYS = {"model_name"}
 _DTYPES = {"auto", "float32", "bfloat16", "float16"}
@@ -37,6 +38,7 @@ class CaptureConfig:
     writer_threads: int = 2
     writer_queue: int = 8
     durable: bool = True
+    on_nonfinite: str = "error"
     model_name: str = ""
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -47,7 +49,7 @@ class CaptureConfig:
     def to_additional_config(self) -> dict[str, Any]:
         d: dict[str, Any] = {"layers": list(self.layers), "convention": self.convention, "dtype": self.dtype,
                              "writer_threads": self.writer_threads, "writer_queue": self.writer_queue,
-                             "durable": self.durable}
+                             "durable": self.durable, "on_nonfinite": self.on_nonfinite}
         if self.out is not None:
             d["out"] = self.out
         if self.model_name:
@@ -74,6 +76,11 @@ def _coerce(key: str, value: Any, where: str):
             if isinstance(value, str):
                 return value.strip().lower() in ("1", "true", "yes", "on")
             return bool(value)
+        if key == "on_nonfinite":
+            v = str(value).strip().lower()
+            if v not in ("error", "skip"):
+                raise ValueError
+            return v
         if key == "convention":
             v = str(value).strip().lower()
             if v not in ("after", "before"):
@@ -93,6 +100,8 @@ def _coerce(key: str, value: Any, where: str):
             "dtype": "auto, float32, bfloat16 or float16",
             "writer_threads": "a positive integer",
             "writer_queue": "a positive integer",
+            "on_nonfinite": '"error" (default: a NonFiniteError naming sample, layer and count) or "skip" (the sample is '
+                            'not written and is listed in the manifest)',
         }.get(key, "a string")
         raise ConfigError(f"{where}: {key}={value!r} is not valid; expected {expect}") from None
 

@@ -38,6 +38,9 @@ REGISTRY: dict[str, EnvVar] = {
                "Samples waiting for the writer before capture blocks (backpressure; bounds host memory)."),
         EnvVar("HSCAPTURE_DURABLE", "bool", "1",
                "fsync every file and its directory before it is declared done (`0` trades safety for speed)."),
+        EnvVar("HSCAPTURE_ON_NONFINITE", "str", "error",
+               "Samples with NaN/Inf values: `error` (a NonFiniteError naming sample, layer and count) or `skip` "
+               "(not written; listed under `skipped` in the manifest with what was found)."),
         EnvVar("HSCAPTURE_DEVICE_PATH", "str", "auto",
                "CUDA capture path: `auto` (kernel, device arena and async copies; host copies if CUDA cannot be "
                "used, with a warning), `required` (fail instead), `off` (host copies in the hook)."),

@@ -259,6 +259,17 @@ impl CaptureSession {
         })
     }
 
+    /// Opt-in: skip samples with NaN/Inf values (reported by `take_skipped`) instead of failing.
+    fn set_skip_nonfinite(&mut self, skip: bool) {
+        self.inner.set_skip_nonfinite(skip);
+    }
+
+    /// Samples skipped for non-finite values since the last call: `(sample, request_id, why)`;
+    /// `sample` is the sample index as a string, or the request id for requests without one.
+    fn take_skipped(&mut self) -> Vec<(String, String, String)> {
+        self.inner.take_skipped().into_iter().map(|(k, r, why)| (key_str(&k), r, why)).collect()
+    }
+
     /// Drops the step in progress (its forward failed).
     fn abandon_step(&mut self) {
         self.inner.abandon_step();
@@ -338,6 +349,7 @@ impl CaptureSession {
         d.set_item("rows", s.rows)?;
         d.set_item("samples", s.samples)?;
         d.set_item("aborted", s.aborted)?;
+        d.set_item("skipped", s.skipped)?;
         d.set_item("live_requests", self.inner.tracker().live_requests())?;
         d.set_item("held_bytes", self.inner.held_bytes())?;
         Ok(d)

@@ -147,6 +147,31 @@ fn non_finite_values_name_sample_layer_and_count() {
 }
 
 #[test]
+fn opt_in_skips_only_the_sample_with_non_finite_values_across_chunks() {
+    let mut s = session(&[6], true);
+    s.set_skip_nonfinite(true);
+    // Step 1: a (2 tokens, finite) whole; b's first 2 of 4 tokens, one NaN in b's second token.
+    s.begin_step(input(vec![req("a", 2, 0), req("b", 4, 1)], vec![], &[("a", 2), ("b", 2)])).unwrap();
+    s.plan(&["a".to_string(), "b".to_string()]).unwrap();
+    let mut h = layer_output(6, 4, 0.0);
+    h[3 * H] = f32::NAN;
+    // SAFETY: `h` is live for the call.
+    unsafe { s.capture(0, &desc(&h, 4), None, 0).unwrap() };
+    let out = s.end_step().unwrap().unwrap();
+    assert_eq!(out.completed.iter().map(|x| x.key.clone()).collect::<Vec<_>>(), vec![SampleKey::Index(0)]);
+    assert!(s.take_skipped().is_empty(), "b is not complete yet");
+    // Step 2: b's last 2 tokens, finite: b is still skipped, reported once, with what was found.
+    let cached = vec![CachedRequest { req_id: "b".into(), num_computed_tokens: 2, resumed: false }];
+    let out = run_step(&mut s, input(vec![], cached, &[("b", 2)]), &["b"], &[6]).unwrap();
+    assert!(out.completed.is_empty());
+    let skipped = s.take_skipped();
+    assert_eq!(skipped.len(), 1);
+    assert_eq!((skipped[0].0.clone(), skipped[0].1.as_str()), (SampleKey::Index(1), "b"));
+    assert!(skipped[0].2.contains("1 NaN/Inf values in prompt positions 0..2 (first at position 1)"), "{}", skipped[0].2);
+    assert_eq!((s.stats().samples, s.stats().skipped), (1, 1));
+}
+
+#[test]
 fn padded_steps_read_only_scheduled_rows() {
     let mut s = session(&[0], true);
     s.begin_step(input(vec![req("a", 3, 0)], vec![], &[("a", 3)])).unwrap();

@@ -35,6 +35,25 @@ pub struct WriterConfig {
     pub pool: Option<Arc<BufferPool>>,
 }
 
+/// The journal beside `hidden_states/`: one JSON line per finished sample, appended (and, when durable,
+/// synced) only after the sample's file is in place. It is the manifest of runs that never end (online
+/// serving) and tells a resumed run what the killed one finished.
+pub const JOURNAL: &str = "records.jsonl";
+
+fn append_journal(root: &std::path::Path, rec: &SampleRecord, durable: bool) -> CoreResult<()> {
+    use std::io::Write;
+    let path = root.join(JOURNAL);
+    let line = serde_json::to_string(rec).map_err(|e| core_err!(Output, "cannot encode the record of {}: {e}", rec.file))?;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_err(|e| core_err!(Output, "cannot open {}: {e}; choose an output directory you can write", path.display()))?;
+    f.write_all(format!("{line}\n").as_bytes())
+        .and_then(|_| if durable { f.sync_data() } else { Ok(()) })
+        .map_err(|e| core_err!(Output, "cannot append to {}: {e} (disk full?)", path.display()))
+}
+
 /// One written sample, as the manifest records it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SampleRecord {
@@ -104,6 +123,7 @@ impl Writer {
         let mut handles = Vec::new();
         for t in 0..cfg.threads.max(1) {
             let (rx, state, dir, meta, pool) = (rx.clone(), Arc::clone(&state), dir.clone(), cfg.metadata.clone(), cfg.pool.clone());
+            let root = cfg.root.clone();
             let durable = cfg.durable;
             let h = std::thread::Builder::new()
                 .name(format!("hscapture-writer-{t}"))
@@ -115,6 +135,8 @@ impl Writer {
                             p.put(sample.data);
                         }
                         let mut g = lock(&state.shared);
+                        // Under the lock: journal lines are whole and in completion order.
+                        let r = r.and_then(|rec| append_journal(&root, &rec, durable).map(|()| rec));
                         match r {
                             Ok(rec) => g.records.push(rec),
                             Err(e) => g.errors.push(e),

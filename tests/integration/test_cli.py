@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from helpers import prompts
+from support import MOE_FLOAT32_REASON, moe_float32_runs
 
 pytestmark = pytest.mark.integration
 
@@ -58,6 +59,7 @@ def test_bad_layer_ids_fail_before_vllm_starts(tmp_path, tiny_model, layers, con
     assert r.returncode == 2 and "ConfigError" in r.stderr and match in r.stderr, r.stderr
 
 
+@pytest.mark.skipif(not moe_float32_runs(), reason=MOE_FLOAT32_REASON)
 def test_demo(tmp_path):
     r = subprocess.run([sys.executable, "-m", "hscapture.cli.main", "demo", "--out", str(tmp_path / "demo")],
                        capture_output=True, text=True, env={**os.environ, "HSCAPTURE_CACHE": os.environ.get(

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import speculators_path
+from support import SPECULATORS_REASON, speculators_generator_runs, speculators_path
 from helpers import prompts
 from safetensors.torch import load_file
 
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(not speculators_generator_runs(), reason=SPECULATORS_REASON)]
 HERE = Path(__file__).resolve().parent
 LAYERS = [0, 1, 2, 3]
 

@@ -83,11 +83,16 @@ def main() -> int:
         return 1
 
     say(f"\n## 2. the same run, killed with SIGKILL (process group) at ~{args.kill_at:.0%} of the files")
-    p = subprocess.Popen(extract_args(model, inp, cut), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    killed_log = open(work / "killed-run.log", "w")
+    p = subprocess.Popen(extract_args(model, inp, cut), stdout=killed_log, stderr=subprocess.STDOUT,
                          start_new_session=True)
     target = int(args.prompts * args.kill_at)
     while count(cut) < target and p.poll() is None:
         time.sleep(0.02)
+    if p.poll() is not None:
+        say(f"the run ended (exit {p.returncode}) before the kill; its output:\n"
+            + (work / "killed-run.log").read_text()[-3000:])
+        return 1
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     partial = [f.name for f in (cut / "hidden_states").iterdir() if ".partial-" in f.name]
@@ -105,7 +110,7 @@ def main() -> int:
     screen = r.stdout.decode(errors="replace").replace("\r\n", "\n")
     frames = [[ln for ln in x.splitlines() if "samples [" in ln][-1] for x in screen.split("\r") if "samples [" in x]
     say(f"progress bar: {len(frames)} frames drawn in place on one line; the first, a quarter, half way, the last:")
-    for k in sorted({0, len(frames) // 4, len(frames) // 2, len(frames) - 1}):
+    for k in sorted({0, len(frames) // 4, len(frames) // 2, len(frames) - 1} if frames else ()):
         say("  " + frames[k])
     say(screen.split("\r")[-1].strip().split("\n", 1)[-1])
     say(f"(exit {r.returncode}, {time.time() - t0:.0f} s wall)")

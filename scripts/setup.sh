@@ -47,6 +47,16 @@ for SPEC in ${HSCAPTURE_SPECULATORS_VERSIONS:-0.4.0 0.3.0}; do
   fi
 done
 
+# speculators' current training reader (0.9.0, with hs-connectors) for the prepared-dataset test, same way.
+if [ ! -f "$VENV/speculators-0.9.0/.hscapture-ok" ]; then
+  log "installing speculators 0.9.0 + hs-connectors 0.9.0 into $VENV/speculators-0.9.0 (tests only)"
+  rm -rf "$VENV/speculators-0.9.0"
+  "$VENV/bin/python" -m pip install -q --no-deps --target "$VENV/speculators-0.9.0" "speculators==0.9.0" "hs-connectors==0.9.0"
+  touch "$VENV/speculators-0.9.0/.hscapture-ok"
+fi
+# `datasets` reads speculators' prepared (Arrow) datasets; pinned so that pip leaves vLLM's huggingface_hub alone.
+"$VENV/bin/python" -c "import datasets" 2>/dev/null || \
+  "$VENV/bin/python" -m pip install -q "datasets==5.0.1" "huggingface_hub==0.36.2"
 "$VENV/bin/python" -m pip install -q "maturin>=1.7,<2" "pytest>=8"
 log "building the hscapture wheel (Rust, release)"
 rm -f target/wheels/hscapture-*.whl

@@ -38,6 +38,8 @@ class ExtractOptions:
     convention: str
     layers: list[int] | None = None
     tp: int = 1
+    pp: int = 1
+    on_nonfinite: str = "error"
     dtype: str = "auto"
     store_dtype: str = "auto"
     max_num_batched_tokens: int | None = None
@@ -70,7 +72,7 @@ def prepare_out(out: Path, overwrite: bool, resume: bool = False, fmt: str = "hs
     if existing and overwrite:
         shutil.rmtree(hs, ignore_errors=True)
         legacy.remove(out)
-        for f in ("manifest.json", "shard.json"):
+        for f in ("manifest.json", "shard.json", "records.jsonl"):
             (out / f).unlink(missing_ok=True)
     if existing and resume:
         for d in (hs, out / legacy.STAGING / "hidden_states"):
@@ -222,10 +224,13 @@ def _run_extract(opts: ExtractOptions) -> ExtractReport:
 
     if not todo:
         return _finish(out, opts, prompts, rows, done, None, 0.0, [], ids, checks)
-    runtime_env.apply(opts.tp)
+    if opts.pp < 1:
+        raise ConfigError(f"--pp must be at least 1, found {opts.pp}")
+    runtime_env.apply(opts.tp * opts.pp)
     shims = apply_driver_shims(model_cfg)
     cfg = CaptureConfig(layers=tuple(ids), convention=opts.convention, out=str(cap_out), dtype=opts.store_dtype,
-                        writer_threads=opts.writer_threads, durable=opts.durable, model_name=str(opts.model))
+                        writer_threads=opts.writer_threads, durable=opts.durable, model_name=str(opts.model),
+                        on_nonfinite=opts.on_nonfinite)
 
     from vllm import LLM
 
@@ -233,6 +238,7 @@ def _run_extract(opts: ExtractOptions) -> ExtractReport:
     kwargs = dict(
         model=str(opts.model),
         tensor_parallel_size=opts.tp,
+        pipeline_parallel_size=opts.pp,
         dtype=opts.dtype,
         enforce_eager=True,
         enable_prefix_caching=False,
@@ -311,7 +317,9 @@ def _finish(out: Path, opts: ExtractOptions, prompts, rows: list[int], done: dic
     """Checks that every row has its file and writes the manifest (earlier finished samples included)."""
     records = list(done.values()) + (w["records"] if w else [])
     got = {r["index"] for r in records}
-    missing = sorted(set(rows) - got)
+    # Samples skipped for NaN/Inf (on_nonfinite=skip): listed in the manifest, retried by --resume.
+    skipped = [dict(x, index=int(x["sample"])) for x in (w or {}).get("skipped", []) if str(x["sample"]).isdigit()]
+    missing = sorted(set(rows) - got - {x["index"] for x in skipped})
     if missing:
         raise OutputError(
             f"{len(missing)} of {len(rows)} prompts produced no file (first: {missing[:10]}); aborted requests: "
@@ -333,6 +341,8 @@ def _finish(out: Path, opts: ExtractOptions, prompts, rows: list[int], done: dic
         "created_by": {"hscapture": _native.__version__, "vllm": getattr(vllm, "__version__", "?")},
         "samples": records,
     }
+    if skipped:
+        manifest["skipped"] = [{"index": x["index"], "why": x["why"]} for x in skipped]
     if opts.format == "legacy":
         legacy.write_sidecars(out, records, manifest, model=str(opts.model), input_path=opts.input_path or
                               getattr(prompts, "source", ""), num_samples=len(rows),

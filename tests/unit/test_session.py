@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hscapture import (AttributionError, NonFiniteError, OutputError, RankMismatchError, ShapeContractError,
+from hscapture import (AttributionError, ConfigError, NonFiniteError, OutputError, RankMismatchError, ShapeContractError,
                        _native, load_manifest, load_sample)
 from hscapture.vllm_compat import SAMPLE_KEY, step_args
 
@@ -167,3 +167,21 @@ def test_worker_errors_cross_to_the_driver_typed(tmp_path):
     assert isinstance(ei.value.__cause__, RuntimeError)
     failures.clear(tmp_path)
     failures.raise_recorded(tmp_path, RuntimeError("engine died"))
+
+
+def test_compressed_output_reads_back_identical_and_verifies(tmp_path):
+    from hscapture import load_sample
+
+    so = sched(new=[new_req("a", list(range(1, 40)), 0)], n={"a": 39})
+    for name, level in (("plain", None), ("packed", 3)):
+        s = _native.CaptureSession([1, 3], "after", 4, H, "float32", "bfloat16", assemble=True,
+                                   out_dir=str(tmp_path / name), durable=False, compress=level)
+        run(s, so, ["a"], lambda slot, rows: torch.sin(rows_tagged(slot, rows) * 0.1))
+        s.finish()
+    a = load_sample(tmp_path / "plain" / "hidden_states" / "hs_0.safetensors")
+    b = load_sample(tmp_path / "packed" / "hidden_states" / "hs_0.safetensors")
+    assert torch.equal(a["hidden_states"], b["hidden_states"]) and a["checksum"] == b["checksum"]
+    assert b["metadata"]["hscapture.compression"] == "byteplane-zstd/1"
+    with pytest.raises(ConfigError, match="zstd takes 1..=22"):
+        _native.CaptureSession([1], "after", 4, H, "float32", "float32", assemble=True, out_dir=str(tmp_path / "x"),
+                               compress=40)

@@ -5,6 +5,7 @@
 pub mod arena;
 pub mod assembly;
 pub mod atomic;
+pub mod compress;
 pub mod device;
 pub mod error;
 pub mod gpu;

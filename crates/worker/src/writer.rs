@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::plan::SampleKey;
 use crate::pool::BufferPool;
-use crate::safetensors_io::write_sample_file;
+use crate::safetensors_io::write_sample_file_with;
 use crate::sample::{content_checksum, Sample};
 use crate::{core_err, error::CoreError, error::CoreResult};
 
@@ -33,6 +33,8 @@ pub struct WriterConfig {
     pub metadata: HashMap<String, String>,
     /// Where written samples' buffers go back for reuse.
     pub pool: Option<Arc<BufferPool>>,
+    /// zstd level for byte-plane compression of the states (`compress.rs`); None stores them as is.
+    pub compress: Option<i32>,
 }
 
 /// The journal beside `hidden_states/`: one JSON line per finished sample, appended (and, when durable,
@@ -95,9 +97,9 @@ fn lock(m: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn write_one(dir: &std::path::Path, sample: &Sample, cfg_meta: &HashMap<String, String>, durable: bool) -> CoreResult<SampleRecord> {
+fn write_one(dir: &std::path::Path, sample: &Sample, cfg_meta: &HashMap<String, String>, durable: bool, compress: Option<i32>) -> CoreResult<SampleRecord> {
     let name = format!("{}.safetensors", sample.file_stem());
-    let bytes = write_sample_file(&dir.join(&name), sample, cfg_meta, durable)?;
+    let bytes = write_sample_file_with(&dir.join(&name), sample, cfg_meta, durable, compress)?;
     let (index, request_id) = match &sample.key {
         SampleKey::Index(i) => (Some(*i), None),
         SampleKey::Request(_) => (None, Some(sample.req_id.clone())),
@@ -124,12 +126,12 @@ impl Writer {
         for t in 0..cfg.threads.max(1) {
             let (rx, state, dir, meta, pool) = (rx.clone(), Arc::clone(&state), dir.clone(), cfg.metadata.clone(), cfg.pool.clone());
             let root = cfg.root.clone();
-            let durable = cfg.durable;
+            let (durable, compress) = (cfg.durable, cfg.compress);
             let h = std::thread::Builder::new()
                 .name(format!("hscapture-writer-{t}"))
                 .spawn(move || {
                     for sample in rx.iter() {
-                        let r = catch_unwind(AssertUnwindSafe(|| write_one(&dir, &sample, &meta, durable)))
+                        let r = catch_unwind(AssertUnwindSafe(|| write_one(&dir, &sample, &meta, durable, compress)))
                             .unwrap_or_else(|_| Err(core_err!(Output, "the writer thread panicked while writing {}", sample.key)));
                         if let Some(p) = &pool {
                             p.put(sample.data);

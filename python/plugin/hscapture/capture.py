@@ -50,6 +50,7 @@ class WorkerCapture:
             layer_ids, cfg.convention, n_layers, hidden, model_dtype, out_dtype,
             assemble=writer, out_dir=cfg.out if writer else None,
             writer_threads=cfg.writer_threads, writer_queue=cfg.writer_queue, durable=cfg.durable, metadata=meta,
+            compress=cfg.compress or None,
         )
         session.set_skip_nonfinite(cfg.on_nonfinite == "skip")
         self._init_state(cfg, session, tp, worker.model_runner, int(getattr(worker, "rank", 0)), writer)

@@ -22,6 +22,7 @@ _KEYS = {
     "writer_queue": "HSCAPTURE_WRITER_QUEUE",
     "durable": "HSCAPTURE_DURABLE",
     "on_nonfinite": "HSCAPTURE_ON_NONFINITE",
+    "compress": "HSCAPTURE_COMPRESS",
 }
 _EXTRA_KEYS = {"model_name"}
 _DTYPES = {"auto", "float32", "bfloat16", "float16"}
@@ -39,6 +40,7 @@ class CaptureConfig:
     writer_queue: int = 8
     durable: bool = True
     on_nonfinite: str = "error"
+    compress: int = 0
     model_name: str = ""
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -49,7 +51,8 @@ class CaptureConfig:
     def to_additional_config(self) -> dict[str, Any]:
         d: dict[str, Any] = {"layers": list(self.layers), "convention": self.convention, "dtype": self.dtype,
                              "writer_threads": self.writer_threads, "writer_queue": self.writer_queue,
-                             "durable": self.durable, "on_nonfinite": self.on_nonfinite}
+                             "durable": self.durable, "on_nonfinite": self.on_nonfinite,
+                             "compress": self.compress}
         if self.out is not None:
             d["out"] = self.out
         if self.model_name:
@@ -67,6 +70,11 @@ def _coerce(key: str, value: Any, where: str):
             ):
                 raise ValueError
             return tuple(value)
+        if key == "compress":
+            v = int(value)
+            if not 0 <= v <= 22:
+                raise ValueError
+            return v
         if key in ("writer_threads", "writer_queue"):
             v = int(value)
             if v < 1:
@@ -100,6 +108,7 @@ def _coerce(key: str, value: Any, where: str):
             "dtype": "auto, float32, bfloat16 or float16",
             "writer_threads": "a positive integer",
             "writer_queue": "a positive integer",
+            "compress": "0 (store states as they are) or a zstd level 1..22 (byte-plane split + zstd; 3 is a good default)",
             "on_nonfinite": '"error" (default: a NonFiniteError naming sample, layer and count) or "skip" (the sample is '
                             'not written and is listed in the manifest)',
         }.get(key, "a string")

@@ -38,6 +38,9 @@ REGISTRY: dict[str, EnvVar] = {
                "Samples waiting for the writer before capture blocks (backpressure; bounds host memory)."),
         EnvVar("HSCAPTURE_DURABLE", "bool", "1",
                "fsync every file and its directory before it is declared done (`0` trades safety for speed)."),
+        EnvVar("HSCAPTURE_COMPRESS", "int", "0",
+               "Lossless compression of stored states: 0 = none; 1..22 = byte-plane split + zstd at that level "
+               "(`hidden_states.zst` in the same safetensors file; hscapture's reader and `verify` decode it)."),
         EnvVar("HSCAPTURE_ON_NONFINITE", "str", "error",
                "Samples with NaN/Inf values: `error` (a NonFiniteError naming sample, layer and count) or `skip` "
                "(not written; listed under `skipped` in the manifest with what was found)."),

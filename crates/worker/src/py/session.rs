@@ -72,7 +72,7 @@ impl CaptureSession {
     /// `out_dir=None` keeps completed samples in memory for `take_samples()`; otherwise they are
     /// written to `out_dir/hidden_states/` by `writer_threads` threads.
     #[new]
-    #[pyo3(signature = (layer_ids, convention, num_hidden_layers, hidden_size, model_dtype, out_dtype, assemble, out_dir=None, writer_threads=2, writer_queue=8, durable=true, metadata=HashMap::new()))]
+    #[pyo3(signature = (layer_ids, convention, num_hidden_layers, hidden_size, model_dtype, out_dtype, assemble, out_dir=None, writer_threads=2, writer_queue=8, durable=true, metadata=HashMap::new(), compress=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         layer_ids: Vec<i64>,
@@ -87,6 +87,7 @@ impl CaptureSession {
         writer_queue: usize,
         durable: bool,
         metadata: HashMap<String, String>,
+        compress: Option<i32>,
     ) -> PyResult<Self> {
         guard("CaptureSession()", || {
             let layers = LayerPlan::new(&layer_ids, Convention::parse(convention)?, num_hidden_layers)?;
@@ -98,6 +99,13 @@ impl CaptureSession {
                 assemble,
             };
             let inner = Session::new(cfg)?;
+            if compress.is_some_and(|l| !(1..=22).contains(&l)) {
+                return Err(crate::core_err!(
+                    Config,
+                    "compression level {compress:?}: zstd takes 1..=22 (3 is a good default); leave it unset for none"
+                )
+                .into());
+            }
             let writer = match (assemble, out_dir) {
                 (true, Some(root)) => Some(Writer::start(WriterConfig {
                     root,
@@ -106,6 +114,7 @@ impl CaptureSession {
                     durable,
                     metadata,
                     pool: Some(inner.pool()),
+                    compress,
                 })?),
                 _ => None,
             };

@@ -30,3 +30,31 @@ fn round_trip() {
     std::fs::write(&p, &bytes[..bytes.len() - 3]).unwrap();
     assert!(read_sample_file(&p).unwrap_err().message.contains("truncated"));
 }
+
+#[test]
+fn compressed_files_read_back_exactly_and_are_still_safetensors() {
+    let d = tempfile::tempdir().unwrap();
+    let data: Vec<u8> = (0..40 * 3 * 16).flat_map(|i| half::bf16::from_f32((i as f32 * 0.1).sin()).to_le_bytes()).collect();
+    let s = Sample {
+        key: SampleKey::Index(0),
+        req_id: "r".into(),
+        token_ids: (0..40).collect(),
+        data,
+        rows: 40,
+        slots: 3,
+        width: 16,
+        dtype: DType::BF16,
+    };
+    let (plain, packed) = (d.path().join("a.safetensors"), d.path().join("b.safetensors"));
+    let meta = HashMap::from([("convention".to_string(), "before".to_string())]);
+    let n_plain = write_sample_file(&plain, &s, &meta, false).unwrap();
+    let n_packed = write_sample_file_with(&packed, &s, &meta, false, Some(3)).unwrap();
+    assert!(n_packed < n_plain, "{n_packed} >= {n_plain}");
+    let (a, b) = (read_sample_file(&plain).unwrap(), read_sample_file(&packed).unwrap());
+    assert_eq!((a.data, a.shape, a.dtype, a.token_ids, a.checksum), (b.data, b.shape, b.dtype, b.token_ids, b.checksum));
+    assert_eq!(b.metadata.get("convention").map(String::as_str), Some("before"));
+    // Any safetensors reader opens it: the states are one U8 tensor beside `token_ids`.
+    let bytes = std::fs::read(&packed).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(st.tensor(COMPRESSED).unwrap().dtype(), Dtype::U8);
+}

@@ -17,7 +17,7 @@ fn sample(i: u64) -> Sample {
 #[test]
 fn writes_every_sample_once() {
     let d = tempfile::tempdir().unwrap();
-    let cfg = WriterConfig { root: d.path().into(), threads: 3, queue: 2, durable: false, metadata: HashMap::new(), pool: None };
+    let cfg = WriterConfig { root: d.path().into(), threads: 3, queue: 2, durable: false, metadata: HashMap::new(), pool: None, compress: None };
     let mut w = Writer::start(cfg).unwrap();
     for i in 0..10 {
         w.submit(sample(i)).unwrap();
@@ -44,7 +44,7 @@ fn writes_every_sample_once() {
 #[test]
 fn a_failed_write_is_reported() {
     let d = tempfile::tempdir().unwrap();
-    let cfg = WriterConfig { root: d.path().into(), threads: 1, queue: 1, durable: false, metadata: HashMap::new(), pool: None };
+    let cfg = WriterConfig { root: d.path().into(), threads: 1, queue: 1, durable: false, metadata: HashMap::new(), pool: None, compress: None };
     let mut w = Writer::start(cfg).unwrap();
     let mut bad = sample(1);
     bad.rows = 5; // does not match its data

@@ -40,6 +40,7 @@ class ExtractOptions:
     tp: int = 1
     pp: int = 1
     on_nonfinite: str = "error"
+    compress: int = 0
     dtype: str = "auto"
     store_dtype: str = "auto"
     max_num_batched_tokens: int | None = None
@@ -230,7 +231,7 @@ def _run_extract(opts: ExtractOptions) -> ExtractReport:
     shims = apply_driver_shims(model_cfg)
     cfg = CaptureConfig(layers=tuple(ids), convention=opts.convention, out=str(cap_out), dtype=opts.store_dtype,
                         writer_threads=opts.writer_threads, durable=opts.durable, model_name=str(opts.model),
-                        on_nonfinite=opts.on_nonfinite)
+                        on_nonfinite=opts.on_nonfinite, compress=opts.compress)
 
     from vllm import LLM
 

@@ -41,6 +41,9 @@ def parser() -> argparse.ArgumentParser:
                     help="after: id i = output of decoder layer i; before: id i = input of layer i (0 = embeddings, N = final)")
     ex.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     ex.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (every stage's layers are captured)")
+    ex.add_argument("--compress", type=int, default=0, metavar="LEVEL",
+                    help="store states losslessly compressed: byte-plane split + zstd at LEVEL (1..22; 1 is fastest and "
+                         "compressed as well as 3 or 9 on the activations measured); 0 = as they are (default); hscapture's reader and verify decode them")
     ex.add_argument("--on-nonfinite", default="error", choices=["error", "skip"],
                     help="a sample with NaN/Inf values: fail with its sample, layer and count (default), or skip it "
                          "and list it in the manifest")
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             tty = sys.stdout.isatty()
             rep = run_extract(ExtractOptions(
                 model=args.model, prompts=open_input(args.input, args.model, args.tokenizer), out=args.out,
-                convention=args.convention, layers=args.layers, tp=args.tp, pp=args.pp, on_nonfinite=args.on_nonfinite, dtype=args.dtype, store_dtype=args.store_dtype,
+                convention=args.convention, layers=args.layers, tp=args.tp, pp=args.pp, on_nonfinite=args.on_nonfinite, compress=args.compress, dtype=args.dtype, store_dtype=args.store_dtype,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 overwrite=args.overwrite, resume=args.resume, writer_threads=args.writer_threads,
                 durable=not args.no_fsync, progress=tty, log_every=0.0 if tty else args.log_every, format=args.format,

@@ -34,3 +34,28 @@ class _PerturbedRank1(WorkerCapture):
 
 class PerturbedRankWorker(CaptureWorker):
     capture_cls = _PerturbedRank1
+
+
+class _NaNInSample1(WorkerCapture):
+    """Puts a NaN into the rows of the request carrying sample index 1, in every step it is scheduled."""
+
+    def begin(self, scheduler_output):
+        from hscapture.vllm_compat import sample_index
+
+        super().begin(scheduler_output)
+        for r in scheduler_output.scheduled_new_reqs:
+            if sample_index(r.sampling_params) == 1:
+                self._poisoned = r.req_id
+
+    def _capture(self, slot, hidden, residual):
+        target = getattr(self, "_poisoned", None)
+        order = self.step_order()
+        if target in order and self._scheduled.get(target, 0) > 0:
+            at = sum(self._scheduled.get(r, 0) for r in order[: order.index(target)])
+            hidden = hidden.clone()
+            hidden[at, 3] = float("nan")
+        super()._capture(slot, hidden, residual)
+
+
+class NaNWorker(CaptureWorker):
+    capture_cls = _NaNInSample1

@@ -27,3 +27,20 @@ def test_tp_ranks_that_disagree_are_named(tmp_path, tiny_model):
     with pytest.raises(RankMismatchError, match=r"ranks \[1\] disagree with rank 0"):
         extract(tmp_path, tiny_model("llama"), prompts(5, lengths=(6, 9)), tp=2, convention="after", layers=[1],
                 llm_kwargs={"worker_cls": "faulty.PerturbedRankWorker"})
+
+
+def test_non_finite_values_fail_by_default_and_are_skipped_on_request(tmp_path, tiny_model):
+    from hscapture import NonFiniteError, load_manifest
+    from hscapture.cli.extract import ExtractOptions, run_extract
+
+    ps = prompts(13, lengths=(12, 50, 7))  # sample 1 spans two 32-token steps: poisoned in both
+    opts = dict(model=tiny_model("llama"), prompts=ps, convention="after", layers=[1, 3], dtype="float32",
+                max_num_batched_tokens=32, progress=False, durable=False, llm_kwargs={"worker_cls": "faulty.NaNWorker"})
+    with pytest.raises(NonFiniteError, match=r"sample 1 .*layer id 1 .*NaN/Inf"):
+        run_extract(ExtractOptions(out=str(tmp_path / "strict"), **opts))
+    rep = run_extract(ExtractOptions(out=str(tmp_path / "skip"), on_nonfinite="skip", **opts))
+    assert rep.samples == 2
+    m = load_manifest(tmp_path / "skip")
+    assert [s["index"] for s in m["samples"]] == [0, 2]
+    assert [s["index"] for s in m["skipped"]] == [1] and "NaN/Inf" in m["skipped"][0]["why"]
+    assert not (tmp_path / "skip" / "hidden_states" / "hs_1.safetensors").exists()

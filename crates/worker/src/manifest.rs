@@ -28,6 +28,15 @@ pub struct Manifest {
     #[serde(default)]
     pub created_by: BTreeMap<String, String>,
     pub samples: Vec<SampleRecord>,
+    /// Samples not written because they held NaN/Inf values (`on_nonfinite: skip`), with what was found.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<Skipped>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Skipped {
+    pub index: u64,
+    pub why: String,
 }
 
 impl Manifest {
@@ -51,6 +60,9 @@ impl Manifest {
         files.sort_unstable();
         if let Some(w) = files.windows(2).find(|w| w[0] == w[1]) {
             return Err(core_err!(Output, "manifest lists {} twice", w[0]));
+        }
+        if let Some(x) = self.skipped.iter().find(|x| self.samples.iter().any(|s| s.index == Some(x.index))) {
+            return Err(core_err!(Output, "manifest lists sample {} both as written and as skipped", x.index));
         }
         Ok(())
     }

@@ -18,11 +18,16 @@ fn round_trip_sorted() {
         tensor_parallel_size: 2,
         created_by: BTreeMap::new(),
         samples: vec![rec(10), rec(2)],
+        skipped: vec![Skipped { index: 5, why: "2 NaN/Inf values".into() }],
     };
     let p = d.path().join("manifest.json");
     m.write(&p).unwrap();
     let back = Manifest::read(&p).unwrap();
     assert_eq!(back.samples.iter().map(|s| s.index).collect::<Vec<_>>(), vec![Some(2), Some(10)]);
+    assert_eq!(back.skipped, m.skipped, "skipped samples survive a round trip");
+    m.skipped.push(Skipped { index: 10, why: "x".into() });
+    assert!(m.write(&p).unwrap_err().message.contains("both as written and as skipped"));
+    m.skipped.pop();
     std::fs::write(&p, "{ not json").unwrap();
     assert!(Manifest::read(&p).unwrap_err().message.contains("corrupted"));
     m.samples.push(rec(2));

@@ -34,6 +34,7 @@ fn manifest(root: &Path, samples: Vec<SampleRecord>) {
         tensor_parallel_size: 1,
         created_by: Default::default(),
         samples,
+        skipped: Vec::new(),
     };
     m.write(&root.join("manifest.json")).unwrap();
 }

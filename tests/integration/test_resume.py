@@ -1,5 +1,6 @@
-"""A run killed with SIGKILL (engine processes included) and resumed with --resume ends with the same set of
-files as an uninterrupted run, every file whole and verified; no sample is written twice."""
+"""A run interrupted with Ctrl-C, resumed, killed with SIGKILL (engine processes included) and resumed again
+ends with the same set of files as an uninterrupted run, every file whole and verified; no sample is written
+twice."""
 
 from __future__ import annotations
 
@@ -43,22 +44,31 @@ def test_kill_and_resume_gives_the_uninterrupted_files(tmp_path, tiny_model):
     assert r.returncode == 0, r.stderr[-3000:]
 
     cut = tmp_path / "cut"
-    p = subprocess.Popen(extract_args(model, inp, cut), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        hs = cut / "hidden_states"
-        if hs.is_dir() and sum(1 for f in hs.iterdir() if f.name.startswith("hs_")) >= 5:
-            break
-        time.sleep(0.05)
-    os.killpg(p.pid, signal.SIGKILL)  # the driver and vLLM's engine and worker processes, mid-run
-    p.wait()
-    killed_with = len([f for f in files(cut) if f.startswith("hs_")])
-    assert 5 <= killed_with < len(ps), f"the kill came at {killed_with} of {len(ps)} files"
-    assert not (cut / "manifest.json").exists()
-
-    again = subprocess.run(extract_args(model, inp, cut), capture_output=True, text=True)
-    assert again.returncode == 2 and "--resume" in again.stderr, "a re-run without --resume is refused"
+    # Interrupted twice at different points: Ctrl-C (SIGINT to the process group, as a terminal sends it),
+    # then, resumed, SIGKILL of the driver and vLLM's engine and worker processes.
+    killed_with = 0
+    for sig, extra, at in ((signal.SIGINT, (), 5), (signal.SIGKILL, ("--resume",), 20)):
+        p = subprocess.Popen(extract_args(model, inp, cut, *extra), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.time() + 240
+        while time.time() < deadline and p.poll() is None:
+            hs = cut / "hidden_states"
+            if hs.is_dir() and sum(1 for f in hs.iterdir() if f.name.startswith("hs_")) >= at:
+                break
+            time.sleep(0.05)
+        os.killpg(p.pid, sig)
+        try:
+            p.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            pytest.fail(f"the run did not stop within 120 s of {sig.name}")
+        now = len([f for f in files(cut) if f.startswith("hs_")])
+        assert killed_with < now < len(ps), f"{sig.name} came at {now} of {len(ps)} files (before: {killed_with})"
+        assert not any(".partial" in f for f in files(cut)) or sig == signal.SIGKILL
+        killed_with = now
+        if sig == signal.SIGINT:
+            again = subprocess.run(extract_args(model, inp, cut), capture_output=True, text=True)
+            assert again.returncode == 2 and "--resume" in again.stderr, "a re-run without --resume is refused"
 
     r = subprocess.run(extract_args(model, inp, cut, "--resume"), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]

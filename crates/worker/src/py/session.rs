@@ -153,6 +153,7 @@ impl CaptureSession {
 
     /// Registers a step's scheduler output.
     #[pyo3(signature = (new_requests, cached_requests, scheduled, total_tokens, finished, preempted))]
+    #[allow(clippy::too_many_arguments)]
     fn begin_step(
         &mut self,
         py: Python<'_>,

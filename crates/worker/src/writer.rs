@@ -38,22 +38,35 @@ pub struct WriterConfig {
 }
 
 /// The journal beside `hidden_states/`: one JSON line per finished sample, appended (and, when durable,
-/// synced) only after the sample's file is in place. It is the manifest of runs that never end (online
-/// serving) and tells a resumed run what the killed one finished.
+/// synced) only after the sample's file is in place: the manifest of runs that never end (online serving).
 pub const JOURNAL: &str = "records.jsonl";
 
-fn append_journal(root: &std::path::Path, rec: &SampleRecord, durable: bool) -> CoreResult<()> {
-    use std::io::Write;
-    let path = root.join(JOURNAL);
-    let line = serde_json::to_string(rec).map_err(|e| core_err!(Output, "cannot encode the record of {}: {e}", rec.file))?;
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&path)
-        .map_err(|e| core_err!(Output, "cannot open {}: {e}; choose an output directory you can write", path.display()))?;
-    f.write_all(format!("{line}\n").as_bytes())
-        .and_then(|_| if durable { f.sync_data() } else { Ok(()) })
-        .map_err(|e| core_err!(Output, "cannot append to {}: {e} (disk full?)", path.display()))
+/// The journal file, opened on the first line and kept open; its own lock keeps each line whole and
+/// keeps its syncs from holding up the writer threads' shared state.
+struct Journal {
+    path: PathBuf,
+    file: Mutex<Option<std::fs::File>>,
+}
+
+impl Journal {
+    fn append(&self, rec: &SampleRecord, durable: bool) -> CoreResult<()> {
+        use std::io::Write;
+        let path = &self.path;
+        let line = serde_json::to_string(rec).map_err(|e| core_err!(Output, "cannot encode the record of {}: {e}", rec.file))?;
+        let mut g = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        if g.is_none() {
+            let f = std::fs::OpenOptions::new().create(true).append(true).open(path).map_err(|e| {
+                core_err!(Output, "cannot open {}: {e}; choose an output directory you can write", path.display())
+            })?;
+            *g = Some(f);
+        }
+        let Some(f) = g.as_mut() else {
+            return Err(core_err!(Output, "cannot open {}", path.display()));
+        };
+        f.write_all(format!("{line}\n").as_bytes())
+            .and_then(|_| if durable { f.sync_data() } else { Ok(()) })
+            .map_err(|e| core_err!(Output, "cannot append to {}: {e} (disk full?)", path.display()))
+    }
 }
 
 /// One written sample, as the manifest records it.
@@ -122,10 +135,11 @@ impl Writer {
         })?;
         let (tx, rx) = bounded::<Sample>(cfg.queue.max(1));
         let state = Arc::new(State::default());
+        let journal = Arc::new(Journal { path: cfg.root.join(JOURNAL), file: Mutex::new(None) });
         let mut handles = Vec::new();
         for t in 0..cfg.threads.max(1) {
             let (rx, state, dir, meta, pool) = (rx.clone(), Arc::clone(&state), dir.clone(), cfg.metadata.clone(), cfg.pool.clone());
-            let root = cfg.root.clone();
+            let journal = Arc::clone(&journal);
             let (durable, compress) = (cfg.durable, cfg.compress);
             let h = std::thread::Builder::new()
                 .name(format!("hscapture-writer-{t}"))
@@ -136,9 +150,8 @@ impl Writer {
                         if let Some(p) = &pool {
                             p.put(sample.data);
                         }
+                        let r = r.and_then(|rec| journal.append(&rec, durable).map(|()| rec));
                         let mut g = lock(&state.shared);
-                        // Under the lock: journal lines are whole and in completion order.
-                        let r = r.and_then(|rec| append_journal(&root, &rec, durable).map(|()| rec));
                         match r {
                             Ok(rec) => g.records.push(rec),
                             Err(e) => g.errors.push(e),

@@ -64,7 +64,8 @@ class WorkerCapture:
             self.link = StageLink(session, pp_size, pp_rank, tp.rank, local, len(points))
         self.device_path = "host" if pp_size > 1 and torch.cuda.is_available() else self._enable_device(vc)
         self.handles = hooks.install(layers, points, self._on_capture)
-        self.handles += hooks.install_positions_probe(layers, self._on_positions)
+        if tp.size > 1:  # a sharded residual stream exists only across TP ranks
+            self.handles += hooks.install_positions_probe(layers, self._on_positions)
         log.info("hscapture: capturing %s ids %s at %s (%d hooks), tp rank %d/%d, pp rank %d/%d, writer=%s",
                  cfg.convention, self.layer_ids, name, len(self.handles), self.tp.rank, self.tp.size, pp_rank, pp_size,
                  self.writer_rank)

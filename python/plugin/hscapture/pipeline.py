@@ -49,8 +49,8 @@ class StageLink:
         if self.sender:
             self._wait()
             # No hook ran (the runner skipped the forward: nothing scheduled): an empty message says so.
-            raw = self.session.export_slots(self.local_slots) if self.session.planned else b""
-            msg = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+            raw = self.session.export_slots(self.local_slots) if self.session.planned else bytearray()
+            msg = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
             header = torch.tensor([msg.numel()], dtype=torch.int64)
             self._keep = [header, msg]
             self._inflight = [dist.isend(header, self.last, group=self.group, tag=_TAG)]

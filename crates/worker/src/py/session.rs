@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
 
 use super::errors::guard;
 use super::tensor::{describe, parse_dtype};
@@ -253,11 +253,12 @@ impl CaptureSession {
         guard("set_absent_slots", || Ok(self.inner.set_absent_slots(&slots)?))
     }
 
-    /// This step's rows of `slots` as one message for the assembling pipeline stage.
-    fn export_slots<'py>(&self, py: Python<'py>, slots: Vec<usize>) -> PyResult<Bound<'py, PyBytes>> {
+    /// This step's rows of `slots` as one message for the assembling pipeline stage (a bytearray: torch
+    /// can send it without another copy).
+    fn export_slots<'py>(&self, py: Python<'py>, slots: Vec<usize>) -> PyResult<Bound<'py, PyByteArray>> {
         guard("export_slots", || {
             let b = self.inner.export_slots(&slots)?;
-            Ok(PyBytes::new(py, &b))
+            Ok(PyByteArray::new(py, &b))
         })
     }
 

@@ -18,22 +18,19 @@ def _needs_stage_buffer_shim() -> bool:
 
 
 @pytest.mark.parametrize("convention,layers", [("after", [0, 1, 3]), ("before", [0, 3, 4])])
-def test_pp2_captures_layers_of_both_stages(tmp_path, tiny_model, monkeypatch, convention, layers):
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per pipeline stage
+def test_pp2_captures_layers_of_both_stages(tmp_path, tiny_model, convention, layers):
     model = tiny_model("llama", "float32")
     ps = prompts(seed=5)
-    rep, samples = extract(tmp_path, model, ps, tp=1, convention=convention, layers=layers,
-                           llm_kwargs={"pipeline_parallel_size": 2})
+    rep, samples = extract(tmp_path, model, ps, tp=1, pp=2, convention=convention, layers=layers)
     assert_matches_reference(tmp_path, model, ps, rep, samples, layers, convention)
 
 
 def test_pp_stage_buffer_shim_is_needed_exactly_where_keyed(tmp_path, tiny_model, monkeypatch):
     """Fails once vLLM allocates the pipeline receive buffer in eager mode itself (remove the shim then)."""
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     monkeypatch.setenv("HSCAPTURE_DISABLE_SHIMS", "pp_stage_buffer")
     ps = prompts(seed=6, lengths=(9, 20))
-    run = lambda: extract(tmp_path, tiny_model("llama", "float32"), ps, tp=1, convention="after", layers=[0, 3],  # noqa: E731
-                          llm_kwargs={"pipeline_parallel_size": 2})
+    run = lambda: extract(tmp_path, tiny_model("llama", "float32"), ps, tp=1, pp=2, convention="after",  # noqa: E731
+                          layers=[0, 3])
     if _needs_stage_buffer_shim():
         with pytest.raises(Exception):
             run()

@@ -185,3 +185,48 @@ def test_compressed_output_reads_back_identical_and_verifies(tmp_path):
     with pytest.raises(ConfigError, match="zstd takes 1..=22"):
         _native.CaptureSession([1], "after", 4, H, "float32", "float32", assemble=True, out_dir=str(tmp_path / "x"),
                                compress=40)
+
+
+def _two_steps(s):
+    run(s, sched(new=[new_req("a", [1, 2, 3], 0), new_req("b", [4, 5, 6, 7, 8], 1)], n={"a": 3, "b": 2}), ["b", "a"],
+        rows_tagged)
+    run(s, sched(cached=[("a", 3), ("b", 2)], n={"a": 1, "b": 3}), ["a", "b"], rows_tagged)
+
+
+def test_background_assembly_writes_what_inline_writes(tmp_path):
+    written = {}
+    for mode in ("inline", "background"):
+        s = session(tmp_path / mode)
+        if mode == "background":
+            s.set_background(3)
+        assert s.background == (mode == "background")
+        _two_steps(s)
+        written[mode] = sorted((r["file"], r["checksum"], r["length"]) for r in s.finish())
+    assert len(written["inline"]) == 2 and written["background"] == written["inline"]
+
+
+def test_background_samples_in_memory_are_all_there_when_taken():
+    inline, bg = session(), session()
+    bg.set_background(2)
+    for s in (inline, bg):
+        _two_steps(s)
+    key = lambda d: d["sample"]  # noqa: E731
+    assert sorted(bg.take_samples(), key=key) == sorted(inline.take_samples(), key=key)
+    with pytest.raises(ConfigError, match="before the first step"):
+        bg.set_background(2)
+
+
+def test_assembly_mode_and_ring_come_from_the_environment(monkeypatch):
+    from hscapture.capture import _assembly_ring
+
+    assert _assembly_ring() == 2
+    monkeypatch.setenv("HSCAPTURE_HOST_RING", "4")
+    assert _assembly_ring() == 4
+    monkeypatch.setenv("HSCAPTURE_HOST_RING", "1")
+    with pytest.raises(ConfigError, match="at least 2"):
+        _assembly_ring()
+    monkeypatch.setenv("HSCAPTURE_ASSEMBLY", "inline")
+    assert _assembly_ring() == 0
+    monkeypatch.setenv("HSCAPTURE_ASSEMBLY", "threads")
+    with pytest.raises(ConfigError, match="background` or `inline"):
+        _assembly_ring()

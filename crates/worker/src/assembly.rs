@@ -1,18 +1,20 @@
-//! Assembly: a planned step's captured rows, once in host memory, checked (finite values) and
-//! scattered into per-request samples (`[L, n_slots, H]`); completed samples handed out.
+//! Assembly, the bookkeeping half: a planned step's captured rows, once in host memory, checked
+//! (finite values), checksummed, and turned into a [`ScatterJob`]: which rows go to which request and
+//! which samples are complete. The copying itself is [`crate::scatter::Scatter`]'s, inline or on the
+//! assembler thread. Everything here reads only the per-row counts and checksums, so it stays on the
+//! worker's thread and its errors surface at the step that found them.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use crate::plan::{Event, SampleKey, Segment, StepPlan};
+use crate::plan::{Event, SampleKey, StepPlan};
 use crate::pool::BufferPool;
 use crate::rows::{step_checksum, StepRows};
-use crate::sample::Sample;
+use crate::scatter::{Completion, ScatterJob};
 use crate::session::{SessionConfig, SessionStats, StepOutcome};
 use crate::{bail, ensure, error::CoreResult};
 
 pub struct Assembly {
-    bufs: HashMap<String, Vec<u8>>,
     emitted: HashSet<SampleKey>,
     pub stats: SessionStats,
     pub pool: Arc<BufferPool>,
@@ -27,7 +29,6 @@ pub struct Assembly {
 impl Default for Assembly {
     fn default() -> Self {
         Assembly {
-            bufs: HashMap::new(),
             emitted: HashSet::new(),
             stats: SessionStats::default(),
             pool: Arc::new(BufferPool::new(256)),
@@ -38,34 +39,15 @@ impl Default for Assembly {
     }
 }
 
-/// Copies a segment's rows of every slot into its request's buffer (`[L, slots, width]`).
-fn scatter_segment(seg: &Segment, buf: &mut [u8], rows: &dyn StepRows, slots: usize, rb: usize) {
-    for k in 0..seg.len {
-        let pos = seg.dst_pos + k;
-        for s in 0..slots {
-            let o = (pos * slots + s) * rb;
-            buf[o..o + rb].copy_from_slice(rows.row(s, seg.arena_row + k));
-        }
-    }
-}
-
 fn slot_name(cfg: &SessionConfig, slot: usize) -> String {
     let id = cfg.layers.ids.get(slot).copied().unwrap_or(usize::MAX);
     format!("layer id {id} ({} convention, slot {slot})", cfg.layers.convention.name())
 }
 
 impl Assembly {
-    /// Bytes held by requests whose prompt is not complete yet.
-    pub fn held_bytes(&self) -> usize {
-        self.bufs.values().map(Vec::len).sum()
-    }
-
-    /// Drops a request's partial sample (it ended before its prompt was complete).
+    /// Forgets a request that ended before its prompt was complete (its buffer is the scatter half's).
     pub fn drop_request(&mut self, req_id: &str) {
         self.poisoned.remove(req_id);
-        if let Some(b) = self.bufs.remove(req_id) {
-            self.pool.put(b);
-        }
     }
 
     /// Finds NaN/Inf values in the step's prompt rows. By default the first is an error naming sample,
@@ -107,53 +89,20 @@ impl Assembly {
         Ok(())
     }
 
-    /// Scatters a step's rows into the requests' buffers, in parallel over requests (each segment
-    /// writes only its own request's buffer) when the step is large.
-    fn scatter(&mut self, plan: &StepPlan, rows: &(dyn StepRows + Sync), slots: usize, rb: usize) {
-        let mut work: Vec<(&Segment, Vec<u8>)> = plan
-            .segments
-            .iter()
-            .map(|seg| {
-                let buf = self.bufs.remove(&seg.req_id).unwrap_or_else(|| self.pool.get(seg.prompt_len * slots * rb));
-                (seg, buf)
-            })
-            .collect();
-        let bytes = plan.arena_rows * slots * rb;
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8).min(work.len());
-        if threads <= 1 || bytes < (8 << 20) {
-            for (seg, buf) in &mut work {
-                scatter_segment(seg, buf, rows, slots, rb);
-            }
-        } else {
-            let per = work.len().div_ceil(threads);
-            std::thread::scope(|sc| {
-                for chunk in work.chunks_mut(per) {
-                    sc.spawn(move || {
-                        for (seg, buf) in chunk.iter_mut() {
-                            scatter_segment(seg, buf, rows, slots, rb);
-                        }
-                    });
-                }
-            });
-        }
-        for (seg, buf) in work {
-            self.bufs.insert(seg.req_id.clone(), buf);
-        }
-    }
-
-    /// Absorbs a step: checks, checksums, scatters (when this rank assembles) and completes samples.
-    /// `present` marks the slots this rank holds (all of them, except on a pipeline stage that does
-    /// not assemble: there only its own layers'); checks cover those, the checksum the slots in `own`
-    /// (captured by this rank, not received from another stage: what its tensor-parallel peers hold).
-    pub fn absorb(
+    /// Accounts for a step: checks, checksums, and (when this rank assembles) the job that scatters its
+    /// rows and completes its samples. `present` marks the slots this rank holds (all of them, except on
+    /// a pipeline stage that does not assemble: there only its own layers'); checks cover those, the
+    /// checksum the slots in `own` (captured by this rank, not received from another stage: what its
+    /// tensor-parallel peers hold). The outcome's `completed` is left for the scatter half to fill.
+    pub fn account(
         &mut self,
         cfg: &SessionConfig,
         plan: &StepPlan,
         events: Vec<Event>,
-        rows: &(dyn StepRows + Sync),
+        rows: &dyn StepRows,
         present: &[bool],
         own: &[bool],
-    ) -> CoreResult<StepOutcome> {
+    ) -> CoreResult<(StepOutcome, ScatterJob)> {
         let slots = cfg.layers.num_slots();
         ensure!(
             !cfg.assemble || present.iter().all(|&p| p),
@@ -164,10 +113,10 @@ impl Assembly {
         );
         self.check_finite(cfg, plan, rows, present)?;
         let checksum = step_checksum(rows, own, plan.arena_rows);
-        let mut out = StepOutcome { step: plan.step, checksum, rows: plan.arena_rows, ..Default::default() };
-        let rb = cfg.hidden_size * cfg.out_dtype.size();
+        let out = StepOutcome { step: plan.step, checksum, rows: plan.arena_rows, ..Default::default() };
+        let mut job = ScatterJob { step: plan.step, ..Default::default() };
         if cfg.assemble {
-            self.scatter(plan, rows, slots, rb);
+            job.segments = plan.segments.clone();
         }
         for e in events {
             if let Event::Completed { req_id, sample, token_ids } = e {
@@ -177,31 +126,21 @@ impl Assembly {
                     "{sample} was completed twice in this run: two prompts carry the same sample index"
                 );
                 if let Some(why) = self.poisoned.remove(&req_id) {
-                    if let Some(b) = self.bufs.remove(&req_id) {
-                        self.pool.put(b);
-                    }
                     self.stats.skipped += 1;
-                    self.skipped.push((sample, req_id, why));
+                    self.skipped.push((sample, req_id.clone(), why));
+                    if cfg.assemble {
+                        job.discard.push(req_id);
+                    }
                     continue;
                 }
                 self.stats.samples += 1;
-                if !cfg.assemble {
-                    continue;
+                if cfg.assemble {
+                    job.completions.push(Completion { req_id, sample, token_ids });
                 }
-                let data = self.bufs.remove(&req_id).unwrap_or_default();
-                let (rows_n, width) = (token_ids.len(), cfg.hidden_size);
-                ensure!(
-                    data.len() == rows_n * slots * width * cfg.out_dtype.size(),
-                    ShapeContract,
-                    "{sample}: assembled {} bytes, expected [{rows_n}, {slots}, {width}] {}",
-                    data.len(),
-                    cfg.out_dtype
-                );
-                out.completed.push(Sample { key: sample, req_id, token_ids, data, rows: rows_n, slots, width, dtype: cfg.out_dtype });
             }
         }
         self.stats.steps += 1;
         self.stats.rows += out.rows as u64;
-        Ok(out)
+        Ok((out, job))
     }
 }

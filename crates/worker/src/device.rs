@@ -4,20 +4,32 @@
 //! Protocol per step: `reset(rows)` when the plan is fixed; `capture` once per slot (enqueues the
 //! capture kernel on the caller's stream and the copy of that slot's rows to host memory on a side
 //! stream); `end_step` (marks the step's copies); `wait` (blocks until the copies are done and
-//! returns the host view; called when the next step begins, or at flush). One step is in flight at a
-//! time; the device arena and the host buffer are reused every step.
+//! hands out the step's host buffer; called when the next step begins, or at flush); `recycle` (the
+//! buffer comes back once its rows are assembled, possibly steps later, from the assembler thread).
+//! One step's copies are in flight at a time; the device arena is reused every step, the host
+//! buffers round a ring (`reset` takes a free one; the session returns buffers before it).
 
 use crate::error::CoreResult;
 use crate::rows::StepRows;
 use crate::tensor::TensorDesc;
 use hscapture_kernels::RowRun;
 
+/// One step's rows in a device path's host buffer, handed out by `wait` and given back by `recycle`.
+pub trait HostStep: StepRows + Send + Sync {
+    /// Which buffer of the device's ring this is.
+    fn ring_slot(&self) -> usize;
+    fn as_rows(&self) -> &(dyn StepRows + Sync);
+}
+
 pub trait DeviceBackend: Send + Sync {
     /// The most rows per slot one step may capture (the fixed arena's size).
     fn capacity(&self) -> usize;
     /// Bytes of device memory and of pinned host memory held.
     fn allocated(&self) -> (usize, usize);
-    /// Starts a step of `rows` captured rows per slot, to be computed from the given row runs.
+    /// Host buffers free for a step's copies.
+    fn free_host(&self) -> usize;
+    /// Starts a step of `rows` captured rows per slot, to be computed from the given row runs; takes a
+    /// free host buffer (an error if none is).
     fn reset(&mut self, rows: usize, runs: &[RowRun]) -> CoreResult<()>;
     /// Enqueues the capture of `slot` from `hidden` (+ `residual`) on `stream` (a raw CUDA stream).
     ///
@@ -27,6 +39,8 @@ pub trait DeviceBackend: Send + Sync {
     unsafe fn capture(&mut self, slot: usize, hidden: &TensorDesc, residual: Option<&TensorDesc>, stream: u64) -> CoreResult<()>;
     /// Marks the end of the step's copies.
     fn end_step(&mut self) -> CoreResult<()>;
-    /// Waits for the step's copies and returns its rows in host memory.
-    fn wait(&mut self) -> CoreResult<&(dyn StepRows + Sync)>;
+    /// Waits for the step's copies and hands out its host buffer.
+    fn wait(&mut self) -> CoreResult<Box<dyn HostStep>>;
+    /// Takes back a host buffer handed out by `wait` once its rows are no longer read.
+    fn recycle(&mut self, buf: Box<dyn HostStep>) -> CoreResult<()>;
 }

@@ -1,21 +1,23 @@
 //! The CUDA device path: a fixed device arena, the capture kernel on PyTorch's stream, and copies to
-//! a pinned host buffer on a side stream.
+//! a ring of pinned host buffers on a side stream.
 //!
 //! Invariants:
 //! - device memory: one arena of `capacity` rows × `slots` × `width` in the output dtype, plus a
 //!   checksum and a non-finite count per row and the step's source-row index, allocated once when the
 //!   worker loads the model (before vLLM sizes its KV cache) and freed on drop;
-//! - host memory: one pinned buffer with the same layout, written only by the side stream's copies
-//!   and read only after `wait` has synchronised on the step's last copy;
+//! - host memory: `ring` pinned buffers with the arena's layout, allocated with it. A step's copies go
+//!   to the buffer `reset` took from the free list; `wait` synchronises on the step's last copy and
+//!   hands the buffer out ([`PinnedStep`]); it is written again only after `recycle` gave it back, so
+//!   the assembler thread reads it while the next steps copy into the others;
 //! - per slot: kernel on the caller's stream → event → side stream waits on it → copy of that slot's
 //!   rows; so copies overlap the rest of the forward, and the compute stream never waits on the host;
-//! - one step in flight: the session calls `wait` before the next step reuses the arena and buffer.
+//! - one step's copies in flight: the session calls `wait` before the next step reuses the arena.
 
 use std::ffi::c_void;
 
 use cudarc::driver::{result as cu, sys};
 
-use crate::device::DeviceBackend;
+use crate::device::{DeviceBackend, HostStep};
 use crate::rows::StepRows;
 use crate::tensor::{Device, TensorDesc};
 use crate::{bail, core_err, ensure, error::CoreResult};
@@ -30,6 +32,14 @@ fn drv<T>(what: &str, r: Result<T, cudarc::driver::DriverError>) -> Result<T, Ke
     r.map_err(|e| KernelError(format!("{what}: {e:?}")))
 }
 
+/// One pinned host buffer of the ring (raw allocations; freed by the device's Drop).
+#[derive(Clone, Copy)]
+struct Pinned {
+    data: *mut u8,
+    sums: *mut u64,
+    bad: *mut u32,
+}
+
 pub struct CudaDevice {
     kernel: CaptureKernel,
     slots: usize,
@@ -40,9 +50,10 @@ pub struct CudaDevice {
     d_sums: sys::CUdeviceptr,
     d_bad: sys::CUdeviceptr,
     d_src: sys::CUdeviceptr,
-    h_data: *mut u8,
-    h_sums: *mut u64,
-    h_bad: *mut u32,
+    hosts: Vec<Pinned>,
+    free: Vec<usize>,
+    /// The host buffer of the step being captured (taken by `reset`, handed out by `wait`).
+    cur: Option<usize>,
     copy_stream: sys::CUstream,
     slot_done: Vec<sys::CUevent>,
     copies_done: sys::CUevent,
@@ -56,60 +67,105 @@ pub struct CudaDevice {
 // driver handles; the session that owns it is used by one thread at a time (Python's call into the
 // pyclass), and every method binds the context first.
 unsafe impl Send for CudaDevice {}
-// SAFETY: shared references only read (the pinned buffer after `wait`, sizes); every mutation goes
-// through `&mut self`, which the owning pyclass hands out to one caller at a time.
+// SAFETY: shared references only read sizes; every mutation goes through `&mut self`, which the
+// owning pyclass hands out to one caller at a time.
 unsafe impl Sync for CudaDevice {}
 
+/// A step's rows in one pinned buffer of the ring, handed out by `wait`.
+pub struct PinnedStep {
+    ring_slot: usize,
+    buf: Pinned,
+    capacity: usize,
+    row_bytes: usize,
+}
+
+// SAFETY: the pointers are pinned host allocations that live until the device drops, which the
+// session does only after joining the assembler thread (the only other holder); while a PinnedStep
+// exists its buffer is out of the free list, so no copy writes it: reads from any thread are safe.
+unsafe impl Send for PinnedStep {}
+// SAFETY: as above; the type only reads.
+unsafe impl Sync for PinnedStep {}
+
+impl StepRows for PinnedStep {
+    fn row(&self, slot: usize, row: usize) -> &[u8] {
+        let o = (slot * self.capacity + row) * self.row_bytes;
+        // SAFETY: each buffer holds slots*capacity rows of row_bytes (allocated in `new`); slot and row
+        // are within the step's plan; the step's copies completed before `wait` handed this out.
+        unsafe { std::slice::from_raw_parts(self.buf.data.add(o), self.row_bytes) }
+    }
+    fn nonfinite(&self, slot: usize, row: usize) -> u32 {
+        // SAFETY: as in `row`, for the slots*capacity counts.
+        unsafe { *self.buf.bad.add(slot * self.capacity + row) }
+    }
+    fn row_sum(&self, slot: usize, row: usize) -> u64 {
+        // SAFETY: as in `row`, for the slots*capacity sums.
+        unsafe { *self.buf.sums.add(slot * self.capacity + row) }
+    }
+}
+
+impl HostStep for PinnedStep {
+    fn ring_slot(&self) -> usize {
+        self.ring_slot
+    }
+    fn as_rows(&self) -> &(dyn StepRows + Sync) {
+        self
+    }
+}
+
 impl CudaDevice {
-    /// Loads the kernel on `ordinal` and allocates the arena for `capacity` rows per slot.
-    pub fn new(ordinal: i32, slots: usize, width: usize, dtype: DType, capacity: usize) -> CoreResult<CudaDevice> {
+    /// Loads the kernel on `ordinal`, allocates the arena for `capacity` rows per slot and `ring`
+    /// pinned host buffers of the same size.
+    pub fn new(ordinal: i32, slots: usize, width: usize, dtype: DType, capacity: usize, ring: usize) -> CoreResult<CudaDevice> {
         ensure!(capacity > 0 && slots > 0 && width > 0, Config, "device arena of {capacity} rows × {slots} slots × {width}: nothing to allocate");
+        ensure!(ring > 0, Config, "a ring of {ring} host buffers: at least one is needed");
         let kernel = CaptureKernel::load(ordinal).map_err(kerr)?;
         let row_bytes = width * dtype.size();
         let (n_data, n_rows) = (slots * capacity * row_bytes, slots * capacity);
-        let mut dev = guarded("allocating the capture arena", || {
-            // SAFETY: sizes are non-zero; every allocation is freed once in Drop (a partially built
-            // device frees what it got because Drop runs on the struct built below).
-            unsafe {
-                let d_data = drv("cuMemAlloc arena", cu::malloc_sync(n_data))?;
-                let d_sums = drv("cuMemAlloc sums", cu::malloc_sync(n_rows * 8))?;
-                let d_bad = drv("cuMemAlloc counts", cu::malloc_sync(n_rows * 4))?;
-                let d_src = drv("cuMemAlloc rows", cu::malloc_sync(capacity * 4))?;
-                let h_data = drv("cuMemHostAlloc", cu::malloc_host(n_data, 0))? as *mut u8;
-                let h_sums = drv("cuMemHostAlloc", cu::malloc_host(n_rows * 8, 0))? as *mut u64;
-                let h_bad = drv("cuMemHostAlloc", cu::malloc_host(n_rows * 4, 0))? as *mut u32;
-                let copy_stream = drv("cuStreamCreate", cu::stream::create(cu::stream::StreamKind::NonBlocking))?;
-                let mut slot_done = Vec::with_capacity(slots);
-                for _ in 0..slots {
-                    slot_done.push(drv("cuEventCreate", cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?);
-                }
-                let copies_done = drv("cuEventCreate", cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
-                Ok((d_data, d_sums, d_bad, d_src, h_data, h_sums, h_bad, copy_stream, slot_done, copies_done))
-            }
-        })
-        .map_err(kerr)
-        .map(|(d_data, d_sums, d_bad, d_src, h_data, h_sums, h_bad, copy_stream, slot_done, copies_done)| CudaDevice {
+        let mut dev = CudaDevice {
             kernel,
             slots,
             width,
             dtype,
             capacity,
-            d_data,
-            d_sums,
-            d_bad,
-            d_src,
-            h_data,
-            h_sums,
-            h_bad,
-            copy_stream,
-            slot_done,
-            copies_done,
+            d_data: 0,
+            d_sums: 0,
+            d_bad: 0,
+            d_src: 0,
+            hosts: Vec::with_capacity(ring),
+            free: Vec::with_capacity(ring),
+            cur: None,
+            copy_stream: std::ptr::null_mut(),
+            slot_done: Vec::with_capacity(slots),
+            copies_done: std::ptr::null_mut(),
             src_rows: Vec::with_capacity(capacity),
             rows: 0,
             src_uploaded: false,
             in_flight: false,
-        })?;
-        dev.rows = 0;
+        };
+        // Each allocation is stored as soon as it is made, so Drop frees whatever a failure left.
+        guarded("allocating the capture arena", || {
+            // SAFETY: sizes are non-zero; every handle is released once in Drop.
+            unsafe {
+                dev.d_data = drv("cuMemAlloc arena", cu::malloc_sync(n_data))?;
+                dev.d_sums = drv("cuMemAlloc sums", cu::malloc_sync(n_rows * 8))?;
+                dev.d_bad = drv("cuMemAlloc counts", cu::malloc_sync(n_rows * 4))?;
+                dev.d_src = drv("cuMemAlloc rows", cu::malloc_sync(capacity * 4))?;
+                for i in 0..ring {
+                    let data = drv("cuMemHostAlloc", cu::malloc_host(n_data, 0))? as *mut u8;
+                    dev.hosts.push(Pinned { data, sums: std::ptr::null_mut(), bad: std::ptr::null_mut() });
+                    dev.hosts[i].sums = drv("cuMemHostAlloc", cu::malloc_host(n_rows * 8, 0))? as *mut u64;
+                    dev.hosts[i].bad = drv("cuMemHostAlloc", cu::malloc_host(n_rows * 4, 0))? as *mut u32;
+                    dev.free.push(i);
+                }
+                dev.copy_stream = drv("cuStreamCreate", cu::stream::create(cu::stream::StreamKind::NonBlocking))?;
+                for _ in 0..slots {
+                    dev.slot_done.push(drv("cuEventCreate", cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?);
+                }
+                dev.copies_done = drv("cuEventCreate", cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
+            }
+            Ok(())
+        })
+        .map_err(kerr)?;
         Ok(dev)
     }
 
@@ -122,24 +178,6 @@ impl CudaDevice {
     }
 }
 
-impl StepRows for CudaDevice {
-    fn row(&self, slot: usize, row: usize) -> &[u8] {
-        let rb = self.row_bytes();
-        let o = (slot * self.capacity + row) * rb;
-        // SAFETY: `h_data` holds slots*capacity*rb bytes (allocated in `new`); slot < slots and
-        // row < capacity by the session's plan; the copies into it completed before `wait` returned.
-        unsafe { std::slice::from_raw_parts(self.h_data.add(o), rb) }
-    }
-    fn nonfinite(&self, slot: usize, row: usize) -> u32 {
-        // SAFETY: as in `row`, for the slots*capacity counts.
-        unsafe { *self.h_bad.add(slot * self.capacity + row) }
-    }
-    fn row_sum(&self, slot: usize, row: usize) -> u64 {
-        // SAFETY: as in `row`, for the slots*capacity sums.
-        unsafe { *self.h_sums.add(slot * self.capacity + row) }
-    }
-}
-
 impl DeviceBackend for CudaDevice {
     fn capacity(&self) -> usize {
         self.capacity
@@ -147,12 +185,23 @@ impl DeviceBackend for CudaDevice {
 
     fn allocated(&self) -> (usize, usize) {
         let n = self.slots * self.capacity;
-        (n * (self.row_bytes() + 12) + self.capacity * 4, n * (self.row_bytes() + 12))
+        (n * (self.row_bytes() + 12) + self.capacity * 4, self.hosts.len() * n * (self.row_bytes() + 12))
+    }
+
+    fn free_host(&self) -> usize {
+        self.free.len() + usize::from(self.cur.is_some() && !self.in_flight)
     }
 
     fn reset(&mut self, rows: usize, runs: &[RowRun]) -> CoreResult<()> {
         ensure!(!self.in_flight, Compatibility, "a device step began before the previous one was collected");
         ensure!(rows <= self.capacity, ShapeContract, "{rows} rows exceed the device arena's {} rows", self.capacity);
+        if self.cur.is_none() {
+            // A step abandoned before `end_step` leaves its buffer in `cur`; it is reused as is.
+            let Some(i) = self.free.pop() else {
+                bail!(Compatibility, "no free host buffer of the {} in the ring: the session must return one first", self.hosts.len());
+            };
+            self.cur = Some(i);
+        }
         self.src_rows.clear();
         self.src_rows.resize(rows, 0);
         for r in runs {
@@ -178,6 +227,9 @@ impl DeviceBackend for CudaDevice {
         self.kernel.bind().map_err(kerr)?;
         let s = stream as sys::CUstream;
         let rb = self.row_bytes();
+        let Some(host) = self.cur.map(|i| self.hosts[i]) else {
+            bail!(Compatibility, "slot {slot} captured before the device step was reset");
+        };
         if !self.src_uploaded && self.rows > 0 {
             // Pageable host→device async copy: staged by the driver before the call returns, so the
             // vector may change afterwards; no device synchronisation.
@@ -210,16 +262,16 @@ impl DeviceBackend for CudaDevice {
         let ev = self.slot_done[slot];
         let (cs, n) = (self.copy_stream, self.rows);
         guarded("enqueueing the copy to host", || {
-            // SAFETY: the pinned buffers have the arena's layout; the copy stream waits for the
-            // kernel through `ev`; the host reads them only after `wait`.
+            // SAFETY: the pinned buffer (taken from the free list by `reset`) has the arena's layout;
+            // the copy stream waits for the kernel through `ev`; nobody reads it before `wait`.
             unsafe {
                 drv("cuEventRecord", cu::event::record(ev, s))?;
                 drv("cuStreamWaitEvent", cu::stream::wait_event(cs, ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT))?;
-                let hd = std::slice::from_raw_parts_mut(self.h_data.add(base * rb), n * rb);
+                let hd = std::slice::from_raw_parts_mut(host.data.add(base * rb), n * rb);
                 drv("cuMemcpyDtoHAsync", cu::memcpy_dtoh_async(hd, self.d_data + (base * rb) as u64, cs))?;
-                let hs = std::slice::from_raw_parts_mut(self.h_sums.add(base), n);
+                let hs = std::slice::from_raw_parts_mut(host.sums.add(base), n);
                 drv("cuMemcpyDtoHAsync", cu::memcpy_dtoh_async(hs, self.d_sums + (base * 8) as u64, cs))?;
-                let hb = std::slice::from_raw_parts_mut(self.h_bad.add(base), n);
+                let hb = std::slice::from_raw_parts_mut(host.bad.add(base), n);
                 drv("cuMemcpyDtoHAsync", cu::memcpy_dtoh_async(hb, self.d_bad + (base * 4) as u64, cs))?;
             }
             Ok(())
@@ -236,15 +288,29 @@ impl DeviceBackend for CudaDevice {
         Ok(())
     }
 
-    fn wait(&mut self) -> CoreResult<&(dyn StepRows + Sync)> {
-        if self.in_flight {
-            self.kernel.bind().map_err(kerr)?;
-            let ev = self.copies_done;
-            // SAFETY: the event was recorded by `end_step` on the copy stream.
-            guarded("cuEventSynchronize", || unsafe { drv("cuEventSynchronize", cu::event::synchronize(ev)) }).map_err(kerr)?;
-            self.in_flight = false;
-        }
-        Ok(self)
+    fn wait(&mut self) -> CoreResult<Box<dyn HostStep>> {
+        ensure!(self.in_flight, Compatibility, "no device step to collect: `end_step` was not called");
+        self.kernel.bind().map_err(kerr)?;
+        let ev = self.copies_done;
+        // SAFETY: the event was recorded by `end_step` on the copy stream.
+        guarded("cuEventSynchronize", || unsafe { drv("cuEventSynchronize", cu::event::synchronize(ev)) }).map_err(kerr)?;
+        self.in_flight = false;
+        let Some(i) = self.cur.take() else {
+            bail!(Compatibility, "a device step was in flight without a host buffer");
+        };
+        Ok(Box::new(PinnedStep { ring_slot: i, buf: self.hosts[i], capacity: self.capacity, row_bytes: self.row_bytes() }))
+    }
+
+    fn recycle(&mut self, buf: Box<dyn HostStep>) -> CoreResult<()> {
+        let i = buf.ring_slot();
+        ensure!(
+            i < self.hosts.len() && !self.free.contains(&i) && self.cur != Some(i),
+            Compatibility,
+            "host buffer {i} given back twice or unknown (ring of {})",
+            self.hosts.len()
+        );
+        self.free.push(i);
+        Ok(())
     }
 }
 
@@ -255,19 +321,30 @@ impl Drop for CudaDevice {
             // SAFETY: each handle and allocation was made in `new` and is released exactly once here,
             // after the copy stream has finished with them.
             unsafe {
-                let _ = cu::stream::synchronize(self.copy_stream);
+                if !self.copy_stream.is_null() {
+                    let _ = cu::stream::synchronize(self.copy_stream);
+                }
                 for &e in &self.slot_done {
                     let _ = cu::event::destroy(e);
                 }
-                let _ = cu::event::destroy(self.copies_done);
-                let _ = cu::stream::destroy(self.copy_stream);
-                let _ = cu::free_sync(self.d_data);
-                let _ = cu::free_sync(self.d_sums);
-                let _ = cu::free_sync(self.d_bad);
-                let _ = cu::free_sync(self.d_src);
-                let _ = cu::free_host(self.h_data as *mut c_void);
-                let _ = cu::free_host(self.h_sums as *mut c_void);
-                let _ = cu::free_host(self.h_bad as *mut c_void);
+                if !self.copies_done.is_null() {
+                    let _ = cu::event::destroy(self.copies_done);
+                }
+                if !self.copy_stream.is_null() {
+                    let _ = cu::stream::destroy(self.copy_stream);
+                }
+                for d in [self.d_data, self.d_sums, self.d_bad, self.d_src] {
+                    if d != 0 {
+                        let _ = cu::free_sync(d);
+                    }
+                }
+                for h in &self.hosts {
+                    for p in [h.data as *mut c_void, h.sums as *mut c_void, h.bad as *mut c_void] {
+                        if !p.is_null() {
+                            let _ = cu::free_host(p);
+                        }
+                    }
+                }
             }
             Ok(())
         });

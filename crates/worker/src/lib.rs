@@ -3,6 +3,7 @@
 //! `hscapture._native` (feature `python`) is a thin layer in `py`.
 
 pub mod arena;
+pub mod assembler;
 pub mod assembly;
 pub mod atomic;
 pub mod compress;
@@ -18,6 +19,7 @@ pub mod ranks;
 pub mod rows;
 pub mod safetensors_io;
 pub mod sample;
+pub mod scatter;
 pub mod session;
 pub mod stages;
 pub mod tensor;

@@ -3,14 +3,22 @@
 //!
 //! Per step: [`Session::begin_step`] with the scheduler output; [`Session::plan`] with the order the
 //! runner used (at the first hook of the forward); [`Session::capture`] once per layer slot;
-//! [`Session::end_step`]. Host captures are assembled at `end_step`; device captures are copied to
-//! host memory asynchronously and assembled when the next step begins (or at [`Session::flush`]), so
-//! nothing in the step waits for the device. Each call that assembles returns a [`StepOutcome`]:
-//! completed samples and the step checksum for the cross-rank check.
+//! [`Session::end_step`]. Host captures are accounted at `end_step`; device captures are copied to
+//! host memory asynchronously and accounted when the next step begins (or at [`Session::flush`]), so
+//! nothing in the step waits for the device. Each call that accounts returns a [`StepOutcome`]: the
+//! step checksum for the cross-rank check and, inline, the completed samples.
+//!
+//! Assembly is split: the checks, the checksum and completion (`assembly.rs`) run here; the copy of
+//! rows into per-request buffers (`scatter.rs`) runs inline or, after [`Session::set_background`],
+//! on the assembler thread (`assembler.rs`), which gets each step's host buffer by ownership (a ring
+//! of CPU arenas, or the device's ring of pinned buffers). Samples it completes are collected with
+//! [`Session::take_ready`].
 
 use crate::arena::Arena;
+use crate::assembler::Assembler;
 use crate::assembly::Assembly;
 use crate::device::DeviceBackend;
+use crate::scatter::{Geometry, Scatter};
 use crate::layers::LayerPlan;
 use crate::plan::{Event, SampleKey, StepInput, StepPlan, Tracker};
 use crate::sample::Sample;
@@ -67,10 +75,22 @@ struct Pending {
     events: Vec<Event>,
 }
 
+/// Where rows are scattered: on the worker's thread, or on the assembler thread.
+enum Scattering {
+    Inline(Scatter),
+    Background(Assembler),
+}
+
 pub struct Session {
     cfg: SessionConfig,
     tracker: Tracker,
     arena: Arena,
+    /// Before `device`: dropped (its thread joined) first, since it may read the device's host buffers.
+    scattering: Scattering,
+    /// CPU arenas of the ring not in use, and how many exist (background assembly only).
+    spare_arenas: Vec<Arena>,
+    arenas: usize,
+    ring: usize,
     device: Option<Box<dyn DeviceBackend>>,
     assembly: Assembly,
     filled: Vec<bool>,
@@ -89,12 +109,19 @@ impl Session {
         ensure!(cfg.hidden_size > 0, Config, "hidden size must be positive, found 0");
         let slots = cfg.layers.num_slots();
         let arena = Arena::new(slots, cfg.hidden_size, cfg.out_dtype);
+        let assembly = Assembly::default();
+        let geo = Geometry { slots, width: cfg.hidden_size, dtype: cfg.out_dtype };
+        let scatter = Scatter::new(geo, std::sync::Arc::clone(&assembly.pool));
         Ok(Session {
             cfg,
             tracker: Tracker::new(),
             arena,
+            scattering: Scattering::Inline(scatter),
+            spare_arenas: Vec::new(),
+            arenas: 1,
+            ring: 1,
             device: None,
-            assembly: Assembly::default(),
+            assembly,
             filled: vec![false; slots],
             absent: vec![false; slots],
             imported: vec![false; slots],
@@ -207,7 +234,10 @@ impl Session {
 
     /// Host bytes held: the arena, partly captured requests, the device path's pinned buffer.
     pub fn held_bytes(&self) -> usize {
-        self.arena.allocated_bytes() + self.assembly.held_bytes() + self.device.as_ref().map_or(0, |d| d.allocated().1)
+        self.arena.allocated_bytes()
+            + self.spare_arenas.iter().map(Arena::allocated_bytes).sum::<usize>()
+            + self.request_bytes()
+            + self.device.as_ref().map_or(0, |d| d.allocated().1)
     }
 
     /// Device bytes held by the device path's arena.
@@ -218,10 +248,15 @@ impl Session {
     /// Registers a step's scheduler output. A device step still in flight is assembled first; its
     /// outcome is returned.
     pub fn begin_step(&mut self, input: StepInput) -> CoreResult<Option<StepOutcome>> {
-        let prev = self.flush()?;
+        let prev = self.collect_device_step()?;
+        self.reclaim(false)?;
         for e in self.tracker.begin_step(input)? {
             if let Event::Aborted { req_id, sample, captured, prompt_len } = e {
                 self.assembly.drop_request(&req_id);
+                match &mut self.scattering {
+                    Scattering::Inline(sc) => sc.drop_request(&req_id),
+                    Scattering::Background(a) => a.drop_request(&req_id)?,
+                }
                 self.assembly.stats.aborted += 1;
                 self.aborted.push(Aborted { req_id, sample, captured, prompt_len });
             }
@@ -232,17 +267,29 @@ impl Session {
         Ok(prev)
     }
 
-    /// Assembles a device step still in flight (waiting for its copies); None if there is none.
+    /// Accounts for a device step still in flight (waiting for its copies); None if there is none.
+    /// Its samples are in the outcome (inline) or come later through [`Session::take_ready`].
     pub fn flush(&mut self) -> CoreResult<Option<StepOutcome>> {
+        self.collect_device_step()
+    }
+
+    fn collect_device_step(&mut self) -> CoreResult<Option<StepOutcome>> {
         let Some(p) = self.pending.take() else {
             return Ok(None);
         };
         let Some(dev) = self.device.as_mut() else {
             bail!(Compatibility, "a device step is pending but the device path is gone");
         };
-        let rows = dev.wait()?;
+        let buf = dev.wait()?;
         let present: Vec<bool> = self.absent.iter().map(|a| !a).collect();
-        let mut out = self.assembly.absorb(&self.cfg, &p.plan, p.events, rows, &present, &present)?;
+        let (mut out, job) = match self.assembly.account(&self.cfg, &p.plan, p.events, buf.as_rows(), &present, &present) {
+            Ok(x) => x,
+            Err(e) => {
+                dev.recycle(buf)?;
+                return Err(e);
+            }
+        };
+        out.completed = self.scatter(job, Some(buf))?;
         out.aborted = std::mem::take(&mut self.aborted);
         Ok(Some(out))
     }
@@ -270,6 +317,12 @@ impl Session {
         let plan = self.tracker.plan(order)?;
         let (step, rows, runs) = (plan.step, plan.arena_rows, plan.runs());
         self.arena.reset(rows);
+        if self.device.as_ref().is_some_and(|d| d.free_host() == 0) {
+            // Every host buffer of the device's ring is with the assembler thread: wait for one.
+            while self.device.as_ref().is_some_and(|d| d.free_host() == 0) {
+                self.reclaim(true)?;
+            }
+        }
         if let Some(dev) = self.device.as_mut() {
             ensure!(
                 rows <= dev.capacity(),
@@ -423,8 +476,8 @@ impl Session {
         }
         let present: Vec<bool> = self.absent.iter().map(|a| !a).collect();
         let own: Vec<bool> = present.iter().zip(&self.imported).map(|(p, i)| *p && !i).collect();
-        let view = self.arena.view();
-        let mut out = self.assembly.absorb(&self.cfg, &plan, events, &view, &present, &own)?;
+        let (mut out, job) = self.assembly.account(&self.cfg, &plan, events, &self.arena, &present, &own)?;
+        out.completed = self.scatter(job, None)?;
         out.aborted = std::mem::take(&mut self.aborted);
         Ok(Some(out))
     }
@@ -434,6 +487,18 @@ impl Session {
         self.tracker.abandon();
     }
 }
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // The assembler thread may be reading the device's pinned buffers: stop it first.
+        let geo = Geometry { slots: 0, width: 0, dtype: self.cfg.out_dtype };
+        self.scattering = Scattering::Inline(Scatter::new(geo, std::sync::Arc::clone(&self.assembly.pool)));
+        self.device = None;
+    }
+}
+
+#[path = "session_ring.rs"]
+mod ring;
 
 #[cfg(test)]
 #[path = "tests/session.rs"]

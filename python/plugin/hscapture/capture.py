@@ -15,7 +15,7 @@ import torch
 
 from . import _native, hooks, vllm_compat
 from .config import CaptureConfig
-from .errors import AttributionError, CompatibilityError, HscaptureError, ShapeContractError
+from .errors import AttributionError, CompatibilityError, ConfigError, HscaptureError, ShapeContractError
 from .failures import record_failure
 
 log = logging.getLogger("hscapture")
@@ -31,6 +31,22 @@ def _split_layers(d: dict) -> list[torch.Tensor]:
     """A sample from ``take_samples`` as one ``[L, H]`` tensor per layer."""
     t = torch.frombuffer(bytearray(d["data"]), dtype=getattr(torch, d["dtype"])).reshape(d["shape"])
     return [t[:, k, :].clone() for k in range(t.shape[1])]
+
+
+def _assembly_ring() -> int:
+    """Step buffers for background assembly (``HSCAPTURE_ASSEMBLY``, ``HSCAPTURE_HOST_RING``); 0 = inline."""
+    from . import envs
+
+    mode = envs.get("HSCAPTURE_ASSEMBLY")
+    if mode not in ("background", "inline"):
+        raise ConfigError(f"HSCAPTURE_ASSEMBLY={mode!r} is not valid: expected `background` or `inline`")
+    if mode == "inline":
+        return 0
+    ring = envs.get("HSCAPTURE_HOST_RING")
+    if ring < 2:
+        raise ConfigError(f"HSCAPTURE_HOST_RING={ring} is not valid: background assembly needs at least 2 step buffers; "
+                          "set HSCAPTURE_ASSEMBLY=inline to assemble on the worker's thread")
+    return ring
 
 
 class WorkerCapture:
@@ -53,6 +69,9 @@ class WorkerCapture:
             compress=cfg.compress or None,
         )
         session.set_skip_nonfinite(cfg.on_nonfinite == "skip")
+        ring = _assembly_ring()
+        if writer and ring:
+            session.set_background(ring)
         self._init_state(cfg, session, tp, worker.model_runner, int(getattr(worker, "rank", 0)), writer)
         self.num_hidden_layers, self.hidden_size, self.out_dtype = n_layers, hidden, out_dtype
         name, layers = hooks.find_decoder_layers(worker.get_model(), n_layers)
@@ -85,7 +104,7 @@ class WorkerCapture:
         preload_nvrtc()
         rows = int(vc.scheduler_config.max_num_batched_tokens)
         try:
-            arch = self.session.enable_device(torch.cuda.current_device(), rows)
+            arch = self.session.enable_device(torch.cuda.current_device(), rows, _assembly_ring() or 1)
         except HscaptureError as e:
             if mode == "required":
                 raise

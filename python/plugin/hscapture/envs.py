@@ -47,6 +47,14 @@ REGISTRY: dict[str, EnvVar] = {
         EnvVar("HSCAPTURE_DEVICE_PATH", "str", "auto",
                "CUDA capture path: `auto` (kernel, device arena and async copies; host copies if CUDA cannot be "
                "used, with a warning), `required` (fail instead), `off` (host copies in the hook)."),
+        EnvVar("HSCAPTURE_ASSEMBLY", "str", "background",
+               "Where a step's rows are copied into per-request samples: `background` (the assembler thread, "
+               "while the next forward runs; step buffers round a ring) or `inline` (on the worker's thread, "
+               "before the next step; for comparison and debugging)."),
+        EnvVar("HSCAPTURE_HOST_RING", "int", "2",
+               "Step buffers in the ring of background assembly (CPU arenas, or the device path's pinned host "
+               "buffers, each one step of rows): at least 2. More absorbs bursts of slow assembly, at one "
+               "step's rows of host memory each."),
         EnvVar("HSCAPTURE_BASE_WORKER", "str", None,
                "Qualified name of the worker class `CaptureWorker` extends, when the platform's default is not wanted."),
         EnvVar("HSCAPTURE_REFERENCE_PATH", "str", None,

@@ -49,21 +49,26 @@ type OutcomeTuple = (u64, i64, usize, usize);
 
 impl CaptureSession {
     /// Hands an assembled step's samples to the writer (or keeps them) and reports it.
-    fn take_outcome(&mut self, py: Python<'_>, out: Option<StepOutcome>) -> PyResult<Option<OutcomeTuple>> {
-        let Some(mut out) = out else {
-            return Ok(None);
-        };
-        let completed = out.completed.len();
+    /// Also collects what the assembler thread completed meanwhile (all of it, waiting, with `fence`).
+    fn take_outcome(&mut self, py: Python<'_>, out: Option<StepOutcome>, fence: bool) -> PyResult<Option<OutcomeTuple>> {
+        let inner = &mut self.inner;
+        let mut ready = py.detach(|| inner.take_ready(fence))?;
+        let mut tuple = None;
+        if let Some(mut out) = out {
+            let completed = out.completed.len();
+            ready.append(&mut out.completed);
+            for a in &out.aborted {
+                self.aborted.push((a.req_id.clone(), key_str(&a.sample), a.captured, a.prompt_len));
+            }
+            tuple = Some((out.step, out.checksum as i64, out.rows, completed));
+        }
         if let Some(w) = self.writer.as_mut() {
-            let samples = std::mem::take(&mut out.completed);
             // Blocks while the writer's queue is full (backpressure), without holding the GIL.
-            py.detach(|| samples.into_iter().try_for_each(|s| w.submit(s)))?;
+            py.detach(|| ready.into_iter().try_for_each(|s| w.submit(s)))?;
+        } else {
+            self.samples.extend(ready);
         }
-        for a in &out.aborted {
-            self.aborted.push((a.req_id.clone(), key_str(&a.sample), a.captured, a.prompt_len));
-        }
-        self.samples.extend(out.completed);
-        Ok(Some((out.step, out.checksum as i64, out.rows, completed)))
+        Ok(tuple)
     }
 }
 
@@ -180,7 +185,7 @@ impl CaptureSession {
                 preempted,
             };
             let out = self.inner.begin_step(input)?;
-            self.take_outcome(py, out)
+            self.take_outcome(py, out, false)
         })
     }
 
@@ -212,26 +217,40 @@ impl CaptureSession {
         guard("end_step", || {
             let inner = &mut self.inner;
             let out = py.detach(|| inner.end_step())?;
-            self.take_outcome(py, out)
+            self.take_outcome(py, out, false)
         })
     }
 
-    /// Assembles a device step still in flight; same result as `end_step`, None if none is.
+    /// Assembles a device step still in flight and waits for the assembler thread to finish every
+    /// step handed to it; same result as `end_step`, None if no device step was in flight.
     fn flush(&mut self, py: Python<'_>) -> PyResult<Option<OutcomeTuple>> {
         guard("flush", || {
             let inner = &mut self.inner;
             let out = py.detach(|| inner.flush())?;
-            self.take_outcome(py, out)
+            self.take_outcome(py, out, true)
         })
+    }
+
+    /// Copies rows into per-request buffers on a thread of its own (a ring of `ring` step buffers), so
+    /// the next forward does not wait for it. Only before the first step.
+    #[pyo3(signature = (ring=2))]
+    fn set_background(&mut self, ring: usize) -> PyResult<()> {
+        guard("set_background", || Ok(self.inner.set_background(ring)?))
+    }
+
+    #[getter]
+    fn background(&self) -> bool {
+        self.inner.background()
     }
 
     /// Captures CUDA tensors on device `ordinal` from now on: compiles the capture kernel (NVRTC) and
     /// allocates the fixed device arena of `capacity_rows` rows per layer and its pinned host twin.
     /// Returns the architecture the kernel was built for.
-    fn enable_device(&mut self, py: Python<'_>, ordinal: i32, capacity_rows: usize) -> PyResult<String> {
+    #[pyo3(signature = (ordinal, capacity_rows, host_ring=2))]
+    fn enable_device(&mut self, py: Python<'_>, ordinal: i32, capacity_rows: usize, host_ring: usize) -> PyResult<String> {
         guard("enable_device", || {
             let cfg = self.inner.config().clone();
-            let dev = py.detach(|| CudaDevice::new(ordinal, cfg.layers.num_slots(), cfg.hidden_size, cfg.out_dtype, capacity_rows))?;
+            let dev = py.detach(|| CudaDevice::new(ordinal, cfg.layers.num_slots(), cfg.hidden_size, cfg.out_dtype, capacity_rows, host_ring))?;
             let arch = dev.arch().to_string();
             self.inner.set_device(Box::new(dev));
             Ok(arch)
@@ -296,6 +315,7 @@ impl CaptureSession {
     /// Completed samples kept in memory (sessions without an output directory), removed from the
     /// session: dicts with `sample`, `request_id`, `token_ids`, `shape`, `dtype`, `data` (bytes).
     fn take_samples<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        guard("take_samples", || self.take_outcome(py, None, true).map(|_| ()))?;
         let out = PyList::empty(py);
         for s in self.samples.drain(..) {
             let d = PyDict::new(py);
@@ -333,6 +353,7 @@ impl CaptureSession {
     /// Waits until every completed sample is written (the writer keeps running); returns the records
     /// not yet taken.
     fn drain<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        guard("drain", || self.take_outcome(py, None, true).map(|_| ()))?;
         if let Some(w) = self.writer.as_ref() {
             py.detach(|| w.drain())?;
         }
@@ -341,6 +362,7 @@ impl CaptureSession {
 
     /// Waits for the writer to finish every queued sample; returns the records not yet taken.
     fn finish<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        guard("finish", || self.take_outcome(py, None, true).map(|_| ()))?;
         let recs = match self.writer.as_mut() {
             Some(w) => py.detach(|| w.finish())?,
             None => Vec::new(),

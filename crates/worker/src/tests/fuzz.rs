@@ -1,7 +1,8 @@
 //! Property test of attribution and assembly: random schedules (chunked prefill, decode tokens, random
 //! runner order, preemption with recompute from an earlier position, aborts mid-prefill) against a
 //! simple model of the truth. Each captured row carries (request, prompt position) in its values, so a
-//! misattributed, duplicated or missing row is visible in the assembled samples.
+//! misattributed, duplicated or missing row is visible in the assembled samples. Half the cases copy
+//! rows on the assembler thread (background assembly, a ring of 2 arenas), half inline.
 //!
 //! CI runs 3,000 cases; `PROPTEST_CASES=20000 cargo test -p hscapture-worker fuzz` runs
 //! longer (scripts/nightly.sh).
@@ -55,7 +56,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
 
     #[test]
-    fn attribution_matches_the_truth((lens, ops) in ops()) {
+    fn attribution_matches_the_truth((lens, ops) in ops(), background in any::<bool>()) {
         let mut s = Session::new(SessionConfig {
             layers: LayerPlan::new(&[0], Convention::After, 2).unwrap(),
             hidden_size: W,
@@ -63,6 +64,10 @@ proptest! {
             out_dtype: DType::F32,
             assemble: true,
         }).unwrap();
+        if background {
+            s.set_background(2).unwrap();
+        }
+        let mut collected = Vec::new();
         let mut reqs: Vec<Req> = lens.iter().map(|&len| Req { len, computed: 0, announced: false, finished: false, complete_emitted: false }).collect();
         let mut emitted: Vec<u64> = Vec::new();
         let mut pending_finished: Vec<String> = Vec::new();
@@ -125,7 +130,13 @@ proptest! {
                 unsafe { s.capture(0, &d, None, 0).unwrap() };
             }
             let out = s.end_step().unwrap().unwrap();
-            for smp in out.completed {
+            collected.extend(out.completed);
+            collected.extend(s.take_ready(false).unwrap());
+        }
+        collected.extend(s.take_ready(true).unwrap());
+        prop_assert!(s.take_ready(true).unwrap().is_empty());
+        {
+            for smp in collected {
                 let SampleKey::Index(r) = smp.key else { panic!("indexed samples") };
                 let r = r as usize;
                 prop_assert!(!reqs[r].complete_emitted, "request {} emitted twice", r);

@@ -83,7 +83,7 @@ fn chunked_requests_assemble_in_prompt_order() {
     assert_eq!(value(b, 0, 0, 0), 2.0 * 1000.0 + 0.5, "b's first chunk came from step rows 0..3");
     assert_eq!(value(b, 3, 0, 0), 2.0 * (1000.0 + 10.0) + 0.5, "b's second chunk starts at step row 1");
     assert_eq!(s.stats().samples, 2);
-    assert_eq!(s.assembly.held_bytes(), 0, "no per-request buffer outlives its sample");
+    assert_eq!(s.request_bytes(), 0, "no per-request buffer outlives its sample");
 }
 
 #[test]
@@ -185,16 +185,61 @@ fn padded_steps_read_only_scheduled_rows() {
 
 
 /// A device stand-in in host memory: "device" tensors are host memory tagged cuda, the kernel is the
-/// CPU twin, and the copy to the host buffer happens at `end_step` (so data is only visible after
-/// `wait`, as with a real device).
-struct HostDevice {
+/// CPU twin, and the copy to the step's host buffer happens at `end_step` (so data is only visible
+/// after `wait`, as with a real device). Host buffers round a ring like the real one's.
+pub(crate) struct HostDevice {
     slots: usize,
     cap: usize,
     runs: Vec<hscapture_kernels::RowRun>,
     rows: usize,
     dev: Arena,
-    host: Arena,
-    waits: usize,
+    /// The ring: None while a buffer is handed out.
+    hosts: Vec<Option<Arena>>,
+    cur: Option<usize>,
+    in_flight: bool,
+    pub(crate) waits: usize,
+}
+
+impl HostDevice {
+    pub(crate) fn new(slots: usize, cap: usize, ring: usize) -> HostDevice {
+        HostDevice {
+            slots,
+            cap,
+            runs: vec![],
+            rows: 0,
+            dev: Arena::new(slots, H, DType::F32),
+            hosts: (0..ring).map(|_| Some(Arena::new(slots, H, DType::F32))).collect(),
+            cur: None,
+            in_flight: false,
+            waits: 0,
+        }
+    }
+}
+
+struct HostBuf {
+    slot: usize,
+    arena: Arena,
+}
+
+impl crate::rows::StepRows for HostBuf {
+    fn row(&self, slot: usize, row: usize) -> &[u8] {
+        self.arena.row(slot, row)
+    }
+    fn nonfinite(&self, slot: usize, row: usize) -> u32 {
+        self.arena.nonfinite(slot, row)
+    }
+    fn row_sum(&self, slot: usize, row: usize) -> u64 {
+        self.arena.row_sum(slot, row)
+    }
+}
+
+impl crate::device::HostStep for HostBuf {
+    fn ring_slot(&self) -> usize {
+        self.slot
+    }
+    fn as_rows(&self) -> &(dyn crate::rows::StepRows + Sync) {
+        self
+    }
 }
 
 impl crate::device::DeviceBackend for HostDevice {
@@ -202,9 +247,20 @@ impl crate::device::DeviceBackend for HostDevice {
         self.cap
     }
     fn allocated(&self) -> (usize, usize) {
-        (self.dev.allocated_bytes(), self.host.allocated_bytes())
+        (self.dev.allocated_bytes(), self.hosts.iter().flatten().map(Arena::allocated_bytes).sum())
+    }
+    fn free_host(&self) -> usize {
+        self.hosts.iter().enumerate().filter(|(i, h)| h.is_some() && (self.cur != Some(*i) || !self.in_flight)).count()
     }
     fn reset(&mut self, rows: usize, runs: &[hscapture_kernels::RowRun]) -> CoreResult<()> {
+        assert!(!self.in_flight, "a step began before the previous one was collected");
+        if self.cur.is_none() {
+            let free = self.hosts.iter().position(Option::is_some);
+            let Some(i) = free else {
+                crate::bail!(Compatibility, "no free host buffer");
+            };
+            self.cur = Some(i);
+        }
         self.rows = rows;
         self.runs = runs.to_vec();
         self.dev.reset(rows);
@@ -224,20 +280,35 @@ impl crate::device::DeviceBackend for HostDevice {
         capture_rows(&h, r.as_ref(), &self.runs, &mut t).map_err(|e| crate::core_err!(ShapeContract, "{e}"))
     }
     fn end_step(&mut self) -> CoreResult<()> {
-        self.host.reset(self.rows);
+        let i = self.cur.expect("end_step without reset");
+        let mut host = self.hosts[i].take().expect("the step's host buffer is free");
+        host.reset(self.rows);
         for s in 0..self.slots {
             let src = self.dev.target(s, "x")?;
             let (d, sums, bad) = (src.data.to_vec(), src.row_sums.to_vec(), src.nonfinite.to_vec());
-            let dst = self.host.target(s, "x")?;
+            let dst = host.target(s, "x")?;
             dst.data.copy_from_slice(&d);
             dst.row_sums.copy_from_slice(&sums);
             dst.nonfinite.copy_from_slice(&bad);
         }
+        self.hosts[i] = Some(host);
+        self.in_flight = true;
         Ok(())
     }
-    fn wait(&mut self) -> CoreResult<&(dyn crate::rows::StepRows + Sync)> {
+    fn wait(&mut self) -> CoreResult<Box<dyn crate::device::HostStep>> {
+        assert!(self.in_flight, "wait without a step in flight");
         self.waits += 1;
-        Ok(&self.host)
+        self.in_flight = false;
+        let i = self.cur.take().expect("a step in flight has a buffer");
+        let arena = self.hosts[i].take().expect("the buffer is not handed out twice");
+        Ok(Box::new(HostBuf { slot: i, arena }))
+    }
+    fn recycle(&mut self, buf: Box<dyn crate::device::HostStep>) -> CoreResult<()> {
+        let i = buf.ring_slot();
+        assert!(self.hosts[i].is_none(), "buffer {i} given back twice");
+        // The stand-in cannot downcast the box; a fresh arena of the same shape stands for it.
+        self.hosts[i] = Some(Arena::new(self.slots, H, DType::F32));
+        Ok(())
     }
 }
 
@@ -246,15 +317,7 @@ fn device_steps_are_assembled_when_the_next_step_begins() {
     let layers = [1usize, 5];
     let mut host = session(&[5, 1], true);
     let mut dev = session(&[5, 1], true);
-    dev.set_device(Box::new(HostDevice {
-        slots: 2,
-        cap: 64,
-        runs: vec![],
-        rows: 0,
-        dev: Arena::new(2, H, DType::F32),
-        host: Arena::new(2, H, DType::F32),
-        waits: 0,
-    }));
+    dev.set_device(Box::new(HostDevice::new(2, 64, 1)));
     let steps = || {
         vec![
             (input(vec![req("a", 2, 0), req("b", 5, 1)], vec![], &[("a", 2), ("b", 3)]), vec!["b", "a"]),
@@ -360,4 +423,103 @@ fn two_prompts_with_the_same_sample_index_are_refused() {
     let e = run_step(&mut s, input(vec![req("a", 2, 5), req("b", 3, 5)], vec![], &[("a", 2), ("b", 3)]), &["a", "b"], &[1]).unwrap_err();
     assert_eq!(e.kind, ErrorKind::Output);
     assert!(e.message.contains("sample 5 was completed twice"), "{e}");
+}
+
+/// Runs a chunked schedule of `steps` steps (requests of 3..=9 tokens, at most 4 tokens per request
+/// per step, new requests every step) on `s`, as host or stand-in device tensors; returns every
+/// sample (from outcomes and from the assembler thread), sorted by key, and the outcomes' checksums.
+fn chunked_run(s: &mut Session, steps: usize, on_device: bool) -> (Vec<Sample>, Vec<u64>) {
+    let layers = [1usize, 5];
+    let mut left: Vec<(String, usize, usize)> = Vec::new(); // (id, computed, len)
+    let (mut samples, mut sums) = (Vec::new(), Vec::new());
+    let keep = |o: Option<StepOutcome>, s: &mut Session, samples: &mut Vec<Sample>, sums: &mut Vec<u64>| {
+        if let Some(o) = o {
+            sums.push(o.checksum);
+            samples.extend(o.completed);
+        }
+        samples.extend(s.take_ready(false).unwrap());
+    };
+    for step in 0..steps {
+        let id = format!("q{step}");
+        let news = vec![req(&id, 3 + step % 7, step as u64)];
+        left.push((id, 0, 3 + step % 7));
+        let cached: Vec<CachedRequest> = left
+            .iter()
+            .filter(|(_, c, _)| *c > 0)
+            .map(|(r, c, _)| CachedRequest { req_id: r.clone(), num_computed_tokens: *c, resumed: false })
+            .collect();
+        let sched: Vec<(String, usize)> = left.iter().map(|(r, c, n)| (r.clone(), (n - c).min(4))).collect();
+        let refs: Vec<(&str, usize)> = sched.iter().map(|(r, n)| (r.as_str(), *n)).collect();
+        let inp = input(news, cached, &refs);
+        let total = inp.total_tokens;
+        let mut order: Vec<String> = sched.iter().map(|x| x.0.clone()).collect();
+        let k = step % order.len().max(1);
+        order.rotate_left(k);
+        let prev = s.begin_step(inp).unwrap();
+        keep(prev, s, &mut samples, &mut sums);
+        s.plan(&order).unwrap();
+        for (slot, &layer) in layers.iter().enumerate() {
+            let h = layer_output(layer, total, step as f32);
+            let r = layer_output(layer, total, 0.5);
+            let tag = |d: TensorDesc| if on_device { TensorDesc { device: Device::Cuda(0), ..d } } else { d };
+            // SAFETY: `h` and `r` are live for the call and read during it (the stand-in device runs the
+            // CPU twin into its own arena at once).
+            unsafe { s.capture(slot, &tag(desc(&h, total)), Some(&tag(desc(&r, total))), 0).unwrap() };
+        }
+        let out = s.end_step().unwrap();
+        keep(out, s, &mut samples, &mut sums);
+        for (_, c, n) in left.iter_mut() {
+            *c += (*n - *c).min(4);
+        }
+        left.retain(|(_, c, n)| c < n);
+    }
+    let last = s.flush().unwrap();
+    keep(last, s, &mut samples, &mut sums);
+    samples.extend(s.take_ready(true).unwrap());
+    samples.sort_by_key(|x| x.key.to_string());
+    (samples, sums)
+}
+
+#[test]
+fn background_assembly_equals_inline_on_host_and_device_paths() {
+    let (want, want_sums) = chunked_run(&mut session(&[5, 1], true), 12, false);
+    assert_eq!(want.len(), 11, "the requests completed within 12 steps");
+    let mut bg = session(&[5, 1], true);
+    bg.set_background(2).unwrap();
+    let (got, sums) = chunked_run(&mut bg, 12, false);
+    assert_eq!((&got, &sums), (&want, &want_sums), "host path: same samples byte for byte, same checksums");
+    assert!(bg.arenas <= 2, "the CPU ring holds at most 2 arenas, found {}", bg.arenas);
+    assert_eq!(bg.request_bytes(), bg.held_bytes() - bg.arena.allocated_bytes() - bg.spare_arenas.iter().map(Arena::allocated_bytes).sum::<usize>());
+
+    let mut dev = session(&[5, 1], true);
+    dev.set_device(Box::new(HostDevice::new(2, 64, 2)));
+    dev.set_background(2).unwrap();
+    let (got, sums) = chunked_run(&mut dev, 12, true);
+    assert_eq!(got, want, "device path on the assembler thread: same samples byte for byte");
+    assert_eq!(sums, want_sums, "and the same step checksums");
+}
+
+#[test]
+fn background_assembly_is_chosen_before_the_first_step_with_a_ring_of_two() {
+    let mut s = session(&[1], true);
+    assert_eq!(s.set_background(1).unwrap_err().kind, ErrorKind::Config);
+    run_step(&mut s, input(vec![req("a", 2, 0)], vec![], &[("a", 2)]), &["a"], &[1]).unwrap();
+    let e = s.set_background(2).unwrap_err();
+    assert!(e.message.contains("before the first step"), "{e}");
+}
+
+#[test]
+fn aborted_requests_free_their_buffers_on_the_assembler_thread() {
+    let mut s = session(&[1], true);
+    s.set_background(2).unwrap();
+    run_step(&mut s, input(vec![req("a", 8, 0)], vec![], &[("a", 3)]), &["a"], &[1]).unwrap();
+    s.take_ready(true).unwrap();
+    assert_eq!(s.request_bytes(), 8 * H * 4, "a's partial sample is held");
+    let mut inp = input(vec![], vec![], &[]);
+    inp.finished = vec!["a".into()];
+    s.begin_step(inp).unwrap();
+    s.end_step().unwrap();
+    assert!(s.take_ready(true).unwrap().is_empty());
+    assert_eq!(s.request_bytes(), 0, "the drop ran after a's earlier rows, on the thread");
+    assert_eq!(s.stats().aborted, 1);
 }

@@ -1,0 +1,174 @@
+//! The assembler thread: scatter jobs run off the worker's thread, in step order, on step buffers
+//! handed over by ownership, so the next forward starts while the previous step is being copied into
+//! per-request buffers.
+//!
+//! Invariants:
+//! - a step buffer (a CPU arena or a device's pinned host buffer) belongs to exactly one side at a
+//!   time: the worker fills it, `submit` moves it here, and it comes back through `returned` once
+//!   its rows are copied. The worker blocks only when every buffer of its ring is here
+//!   (backpressure), so host memory is the ring, never more;
+//! - messages run in the order they were sent: a request's rows are scattered before its completion,
+//!   and a drop (request aborted) runs after every earlier step's rows of that request;
+//! - the first error (or panic) is kept and reported by the next `take_ready`; later jobs still run,
+//!   so buffers keep coming back and the worker never waits forever;
+//! - dropping the assembler stops and joins the thread (the session drops it before its device,
+//!   whose pinned memory the thread may be reading).
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
+
+use crate::arena::Arena;
+use crate::device::HostStep;
+use crate::rows::StepRows;
+use crate::sample::Sample;
+use crate::scatter::{Scatter, ScatterJob};
+use crate::{core_err, error::CoreError, error::CoreResult};
+
+/// A step's rows in host memory, owned.
+pub enum StepBuffer {
+    Arena(Arena),
+    Device(Box<dyn HostStep>),
+}
+
+impl StepBuffer {
+    pub fn rows(&self) -> &(dyn StepRows + Sync) {
+        match self {
+            StepBuffer::Arena(a) => a,
+            StepBuffer::Device(d) => d.as_rows(),
+        }
+    }
+}
+
+enum Msg {
+    Step(ScatterJob, StepBuffer),
+    Drop(String),
+    Fence(Sender<()>),
+}
+
+#[derive(Default)]
+struct Ready {
+    samples: Vec<Sample>,
+    error: Option<CoreError>,
+}
+
+fn lock(m: &Mutex<Ready>) -> std::sync::MutexGuard<'_, Ready> {
+    // Poisoned only if the thread panicked holding it; the samples and the error are still whole.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub struct Assembler {
+    tx: Option<Sender<Msg>>,
+    back: Receiver<StepBuffer>,
+    ready: Arc<Mutex<Ready>>,
+    held: Arc<AtomicUsize>,
+    handle: Option<JoinHandle<()>>,
+}
+
+fn run(rx: Receiver<Msg>, back: Sender<StepBuffer>, ready: Arc<Mutex<Ready>>, mut scatter: Scatter) {
+    for msg in rx.iter() {
+        match msg {
+            Msg::Step(job, buf) => {
+                let step = job.step;
+                let r = catch_unwind(AssertUnwindSafe(|| scatter.run(job, buf.rows())))
+                    .unwrap_or_else(|_| Err(core_err!(Output, "step {step}: the assembler thread panicked while copying rows")));
+                // The worker may be waiting for this buffer; it gets it back even after an error.
+                let _ = back.send(buf);
+                let mut g = lock(&ready);
+                match r {
+                    Ok(samples) => g.samples.extend(samples),
+                    Err(e) => {
+                        g.error.get_or_insert(e);
+                    }
+                }
+            }
+            Msg::Drop(req_id) => scatter.drop_request(&req_id),
+            Msg::Fence(ack) => {
+                let _ = ack.send(());
+            }
+        }
+    }
+}
+
+impl Assembler {
+    /// Starts the thread; `scatter` (holding no request yet) moves onto it.
+    pub fn start(scatter: Scatter) -> CoreResult<Assembler> {
+        let (tx, rx) = unbounded::<Msg>();
+        let (back_tx, back) = unbounded::<StepBuffer>();
+        let ready = Arc::new(Mutex::new(Ready::default()));
+        let held = scatter.held_counter();
+        let r = Arc::clone(&ready);
+        let handle = std::thread::Builder::new()
+            .name("hscapture-assembler".into())
+            .spawn(move || run(rx, back_tx, r, scatter))
+            .map_err(|e| core_err!(Output, "cannot start the assembler thread: {e}"))?;
+        Ok(Assembler { tx: Some(tx), back, ready, held, handle: Some(handle) })
+    }
+
+    fn send(&self, m: Msg) -> CoreResult<()> {
+        match &self.tx {
+            Some(tx) => tx.send(m).map_err(|_| core_err!(Output, "the assembler thread has stopped; see the error it reported first")),
+            None => Err(core_err!(Output, "the assembler was stopped")),
+        }
+    }
+
+    /// Queues a step's job with its rows.
+    pub fn submit(&self, job: ScatterJob, buf: StepBuffer) -> CoreResult<()> {
+        self.send(Msg::Step(job, buf))
+    }
+
+    /// Queues the drop of a request's partial sample (after every step already queued).
+    pub fn drop_request(&self, req_id: &str) -> CoreResult<()> {
+        self.send(Msg::Drop(req_id.to_string()))
+    }
+
+    /// A step buffer whose rows are copied: waits for one when `block` (None if the thread is gone).
+    pub fn returned(&self, block: bool) -> Option<StepBuffer> {
+        if block {
+            self.back.recv().ok()
+        } else {
+            self.back.try_recv().ok()
+        }
+    }
+
+    /// Waits until every message sent so far has run.
+    pub fn fence(&self) -> CoreResult<()> {
+        let (ack, done) = bounded::<()>(1);
+        self.send(Msg::Fence(ack))?;
+        done.recv().map_err(|_| core_err!(Output, "the assembler thread stopped before finishing its queue"))?;
+        self.check()
+    }
+
+    fn check(&self) -> CoreResult<()> {
+        match &lock(&self.ready).error {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Samples completed since the last call; the thread's first error instead, if it had one.
+    pub fn take_ready(&self) -> CoreResult<Vec<Sample>> {
+        let mut g = lock(&self.ready);
+        if let Some(e) = &g.error {
+            return Err(e.clone());
+        }
+        Ok(std::mem::take(&mut g.samples))
+    }
+
+    /// Bytes held: requests in progress and completed samples not yet taken.
+    pub fn held_bytes(&self) -> usize {
+        self.held.load(Ordering::Relaxed) + lock(&self.ready).samples.iter().map(|s| s.data.len()).sum::<usize>()
+    }
+}
+
+impl Drop for Assembler {
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}

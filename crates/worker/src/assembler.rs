@@ -47,6 +47,9 @@ enum Msg {
     Step(ScatterJob, StepBuffer),
     Drop(String),
     Fence(Sender<()>),
+    /// Tests only: the thread waits until the sender is used or dropped.
+    #[cfg(test)]
+    Hold(Receiver<()>),
 }
 
 #[derive(Default)]
@@ -88,6 +91,10 @@ fn run(rx: Receiver<Msg>, back: Sender<StepBuffer>, ready: Arc<Mutex<Ready>>, mu
             Msg::Drop(req_id) => scatter.drop_request(&req_id),
             Msg::Fence(ack) => {
                 let _ = ack.send(());
+            }
+            #[cfg(test)]
+            Msg::Hold(release) => {
+                let _ = release.recv();
             }
         }
     }
@@ -134,6 +141,15 @@ impl Assembler {
         }
     }
 
+    /// Tests only: stops the thread (after the messages already queued) until the returned sender is
+    /// used or dropped.
+    #[cfg(test)]
+    pub(crate) fn hold(&self) -> Sender<()> {
+        let (tx, rx) = bounded::<()>(1);
+        let _ = self.send(Msg::Hold(rx));
+        tx
+    }
+
     /// Waits until every message sent so far has run.
     pub fn fence(&self) -> CoreResult<()> {
         let (ack, done) = bounded::<()>(1);
@@ -172,3 +188,7 @@ impl Drop for Assembler {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "tests/assembler.rs"]
+mod tests;

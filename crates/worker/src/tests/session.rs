@@ -523,3 +523,32 @@ fn aborted_requests_free_their_buffers_on_the_assembler_thread() {
     assert_eq!(s.request_bytes(), 0, "the drop ran after a's earlier rows, on the thread");
     assert_eq!(s.stats().aborted, 1);
 }
+
+#[test]
+fn a_busy_ring_makes_the_worker_wait_and_loses_nothing() {
+    let layers = [1usize, 5];
+    let mut s = session(&[5, 1], true);
+    s.set_background(2).unwrap();
+    let hold = match &s.scattering {
+        Scattering::Background(a) => a.hold(),
+        Scattering::Inline(_) => unreachable!("set_background"),
+    };
+    // Step 1's arena goes to the held thread, a second arena is made for step 2.
+    run_step(&mut s, input(vec![req("a", 2, 0)], vec![], &[("a", 2)]), &["a"], &layers).unwrap();
+    assert_eq!(s.arenas, 2);
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        drop(hold);
+    });
+    // Step 2's arena must go too: both are with the thread, so end_step waits for one to come back.
+    let t = std::time::Instant::now();
+    run_step(&mut s, input(vec![req("b", 3, 1)], vec![], &[("b", 3)]), &["b"], &layers).unwrap();
+    let waited = t.elapsed();
+    release.join().unwrap();
+    assert!(waited >= std::time::Duration::from_millis(250), "the worker waited for a buffer ({waited:?})");
+    assert_eq!(s.arenas, 2, "no third arena: host memory stays at the ring");
+    let got = s.take_ready(true).unwrap();
+    let mut keys: Vec<String> = got.iter().map(|x| x.key.to_string()).collect();
+    keys.sort();
+    assert_eq!(keys, vec!["sample 0", "sample 1"]);
+}

@@ -1,0 +1,133 @@
+//! Durable writing against the disk's own bandwidth, side by side in one run.
+//!
+//!     cargo run --release -p hscapture-worker --example writer_bench -- DIR [SAMPLES] [TOKENS] [THREADS]
+//!
+//! Measures, on the file system holding DIR: the ceiling (one large file written sequentially in
+//! 16 MiB blocks, then `fdatasync`), then hscapture's writer with `durable` on (each sample to a
+//! hidden temporary file, fsync, rename, directory fsync, journal line synced) for each thread count,
+//! then the ceiling again. Samples are Llama-8B shaped by default: TOKENS × 4 layers × 4096 bf16
+//! (32 MiB per 1024-token sample), filled with incompressible bytes. Prints GB/s and the ratio to the
+//! mean of the two ceilings.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use hscapture_kernels::DType;
+use hscapture_worker::plan::SampleKey;
+use hscapture_worker::sample::Sample;
+use hscapture_worker::writer::{Writer, WriterConfig};
+
+const SLOTS: usize = 4;
+const WIDTH: usize = 4096;
+
+fn noise(n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    let mut v = Vec::with_capacity(n);
+    while v.len() < n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(n);
+    v
+}
+
+fn ceiling(dir: &Path, bytes: usize) -> std::io::Result<f64> {
+    let path = dir.join("ceiling.bin");
+    let block = noise(16 << 20, 7);
+    let t = Instant::now();
+    let mut f = std::fs::File::create(&path)?;
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(block.len());
+        f.write_all(&block[..n])?;
+        left -= n;
+    }
+    f.sync_data()?;
+    let s = t.elapsed().as_secs_f64();
+    drop(f);
+    std::fs::remove_file(&path)?;
+    Ok(bytes as f64 / s / 1e9)
+}
+
+fn run_writer(root: &Path, threads: usize, samples: Vec<Sample>) -> Result<f64, String> {
+    let bytes: usize = samples.iter().map(|s| s.data.len()).sum();
+    let _ = std::fs::remove_dir_all(root);
+    let cfg = WriterConfig {
+        root: root.to_path_buf(),
+        threads,
+        queue: 2 * threads,
+        durable: true,
+        metadata: HashMap::new(),
+        pool: None,
+        compress: None,
+    };
+    let t = Instant::now();
+    let mut w = Writer::start(cfg).map_err(|e| e.to_string())?;
+    for s in samples {
+        w.submit(s).map_err(|e| e.to_string())?;
+    }
+    let recs = w.finish().map_err(|e| e.to_string())?;
+    let s = t.elapsed().as_secs_f64();
+    let written: u64 = recs.iter().map(|r| r.bytes).sum();
+    let _ = std::fs::remove_dir_all(root);
+    Ok(written.max(bytes as u64) as f64 / s / 1e9)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some(dir) = args.first().map(PathBuf::from) else {
+        eprintln!("usage: writer_bench DIR [SAMPLES=32] [TOKENS=1024] [THREADS=1,2,4,8]");
+        std::process::exit(2);
+    };
+    let n: usize = args.get(1).and_then(|x| x.parse().ok()).unwrap_or(32);
+    let tokens: usize = args.get(2).and_then(|x| x.parse().ok()).unwrap_or(1024);
+    let threads: Vec<usize> = args.get(3).map_or("1,2,4,8", |x| x.as_str()).split(',').filter_map(|x| x.parse().ok()).collect();
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        eprintln!("cannot create {}: {e}", dir.display());
+        std::process::exit(2);
+    }
+    let per = tokens * SLOTS * WIDTH * 2;
+    let template = noise(per, 11);
+    let total = n * per;
+    println!("{n} samples of {tokens} tokens × {SLOTS} layers × {WIDTH} bf16 ({:.0} MiB each, {:.2} GiB in all)", per as f64 / 1048576.0, total as f64 / 1073741824.0);
+    let c0 = match ceiling(&dir, total) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("ceiling: {e}");
+            std::process::exit(1);
+        }
+    };
+    println!("ceiling before: {c0:.3} GB/s (one file, sequential, fdatasync)");
+    let mut results = Vec::new();
+    for &t in &threads {
+        let samples: Vec<Sample> = (0..n)
+            .map(|i| Sample {
+                key: SampleKey::Index(i as u64),
+                req_id: format!("r{i}"),
+                token_ids: (0..tokens as i64).collect(),
+                data: template.clone(),
+                rows: tokens,
+                slots: SLOTS,
+                width: WIDTH,
+                dtype: DType::BF16,
+            })
+            .collect();
+        match run_writer(&dir.join(format!("w{t}")), t, samples) {
+            Ok(g) => results.push((t, g)),
+            Err(e) => {
+                eprintln!("writer with {t} threads: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
+    let c1 = ceiling(&dir, total).unwrap_or(c0);
+    println!("ceiling after: {c1:.3} GB/s");
+    let c = (c0 + c1) / 2.0;
+    for (t, g) in results {
+        println!("writer, durable, {t} threads: {g:.3} GB/s = {:.3}x the ceiling", g / c);
+    }
+}

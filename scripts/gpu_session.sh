@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The H200 session in two device calls (each ≤ 10 min; the machine idles out ~30 s after a call, so run
+# the second right after the first). Prepared here, run through the `device` tool:
+#
+#   scripts/gpu_session.sh stage          # here: copies vLLM 0.23 and builds .gpu/stage (wheel + pytest)
+#   run: bash scripts/gpu_session.sh install   carry [".gpu/vllm-0.23"]
+#   run: bash scripts/gpu_session.sh run [WHAT] carry [".gpu/stage"]
+#
+# WHAT (default "tests,bench"): tests = tests/gpu; bench = bench/gpu.py for the Llama-8B and DeepSeek-V3
+# shapes with modes plain,hscapture,hscapture_inline,vllm; durable = the same with hscapture_durable.
+# Logs go to $OUT (they come back with the call).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-}
+case "$what" in
+  stage)
+    rm -rf .gpu/vllm-0.23 .gpu/stage && mkdir -p .gpu/stage/whl
+    cp -r ../shared/gpu/vllm-0.23 .gpu/vllm-0.23
+    .venv/bin/maturin build --release -q -o .gpu/stage/whl
+    .venv/bin/pip download -q --no-deps -d .gpu/stage/whl pytest==8.4.2 pluggy iniconfig packaging pygments
+    du -sh .gpu/stage .gpu/vllm-0.23
+    ;;
+  install)
+    bash .gpu/vllm-0.23/bin/install.sh
+    ;;
+  run)
+    parts=${2:-tests,bench}
+    pip install -q --no-index --no-deps --target /tmp/site .gpu/stage/whl/*.whl
+    export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn HF_HUB_OFFLINE=1
+    out=${OUT:-/tmp/out}
+    mkdir -p "$out"
+    rm -rf /tmp/hs && mkdir -p /tmp/hs && cp -r tests bench /tmp/hs/
+    cd /tmp/hs
+    if [[ ",$parts," == *",tests,"* ]]; then
+      python3 -m pytest tests/gpu -q -s 2>&1 | tail -60 | tee "$out/tests.log"
+    fi
+    if [[ ",$parts," == *",bench,"* ]]; then
+      python3 bench/gpu.py --models llama8b,dsv3 --modes plain,hscapture,hscapture_inline,vllm \
+        --prompts 64 --batch 16 --length 1024 --rounds 2 2>&1 | tee "$out/bench.log"
+    fi
+    if [[ ",$parts," == *",durable,"* ]]; then
+      python3 bench/gpu.py --models llama8b --modes plain,hscapture_durable \
+        --prompts 64 --batch 16 --length 1024 --rounds 2 2>&1 | tee "$out/durable.log"
+    fi
+    ;;
+  *)
+    echo "usage: $0 stage | install | run [tests,bench,durable]" >&2
+    exit 2
+    ;;
+esac

@@ -6,7 +6,7 @@
 //! Each step: REQS new requests of LEN tokens (defaults 16 × 1024, the GPU benchmark's step), 4 layers of
 //! width 4096 in bf16 (Llama-8B shape: 512 MiB of rows per step). Timed on the worker's thread:
 //! `begin_step` + `plan` + `end_step` + handing completed samples to the writer (8 threads, page cache,
-//! `OUT/<mode>`). Not timed: filling the step buffer (`capture`; on a GPU that is the kernel and the
+//! `OUT/<mode>`; in the background mode the assembler thread hands them over, as in the worker). Not timed: filling the step buffer (`capture`; on a GPU that is the kernel and the
 //! asynchronous copy, off the host's thread). Between steps the thread sleeps FWD_MS (default 377 ms:
 //! 16,384 tokens at the H200's plain 43,400 tok/s), during which the assembler and writer threads work.
 //! Prints per-mode mean and worst worker time per step, the ratio it implies for end-to-end throughput
@@ -53,6 +53,10 @@ fn run(out: PathBuf, background: bool, steps: usize, fwd: Duration, reqs: usize,
         pool: Some(s.pool()),
         compress: None,
     })?;
+    if background {
+        // As the Python layer does: samples go from the assembler thread straight to the writer.
+        s.set_sink(w.submitter())?;
+    }
     let total = reqs * len;
     // One step of bf16 activations (values irrelevant, finite): [total, WIDTH].
     let rows: Vec<u16> = (0..total * WIDTH).map(|i| 0x3f80 + (i % 64) as u16).collect();
@@ -92,6 +96,7 @@ fn run(out: PathBuf, background: bool, steps: usize, fwd: Duration, reqs: usize,
     for smp in s.take_ready(true)? {
         w.submit(smp)?;
     }
+    s.set_sink(None)?;
     let recs = w.finish()?;
     let drain = t.elapsed().as_secs_f64();
     assert_eq!(recs.len(), steps * reqs, "every sample written");

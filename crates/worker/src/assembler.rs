@@ -9,6 +9,9 @@
 //!   (backpressure), so host memory is the ring, never more;
 //! - messages run in the order they were sent: a request's rows are scattered before its completion,
 //!   and a drop (request aborted) runs after every earlier step's rows of that request;
+//! - completed samples go to the writer from this thread when a sink is set (a full writer queue
+//!   blocks this thread, whose buffers then stop coming back: backpressure reaches the worker through
+//!   the ring), else to a list the worker takes;
 //! - the first error (or panic) is kept and reported by the next `take_ready`; later jobs still run,
 //!   so buffers keep coming back and the worker never waits forever;
 //! - dropping the assembler stops and joins the thread (the session drops it before its device,
@@ -26,6 +29,7 @@ use crate::device::HostStep;
 use crate::rows::StepRows;
 use crate::sample::Sample;
 use crate::scatter::{Scatter, ScatterJob};
+use crate::writer::Submitter;
 use crate::{core_err, error::CoreError, error::CoreResult};
 
 /// A step's rows in host memory, owned.
@@ -46,6 +50,7 @@ impl StepBuffer {
 enum Msg {
     Step(ScatterJob, StepBuffer),
     Drop(String),
+    Sink(Option<Submitter>),
     Fence(Sender<()>),
     /// Tests only: the thread waits until the sender is used or dropped.
     #[cfg(test)]
@@ -72,6 +77,7 @@ pub struct Assembler {
 }
 
 fn run(rx: Receiver<Msg>, back: Sender<StepBuffer>, ready: Arc<Mutex<Ready>>, mut scatter: Scatter) {
+    let mut sink: Option<Submitter> = None;
     for msg in rx.iter() {
         match msg {
             Msg::Step(job, buf) => {
@@ -80,6 +86,10 @@ fn run(rx: Receiver<Msg>, back: Sender<StepBuffer>, ready: Arc<Mutex<Ready>>, mu
                     .unwrap_or_else(|_| Err(core_err!(Output, "step {step}: the assembler thread panicked while copying rows")));
                 // The worker may be waiting for this buffer; it gets it back even after an error.
                 let _ = back.send(buf);
+                let r = match (r, &sink) {
+                    (Ok(samples), Some(w)) => samples.into_iter().try_for_each(|s| w.submit(s)).map(|()| Vec::new()),
+                    (r, _) => r,
+                };
                 let mut g = lock(&ready);
                 match r {
                     Ok(samples) => g.samples.extend(samples),
@@ -89,6 +99,7 @@ fn run(rx: Receiver<Msg>, back: Sender<StepBuffer>, ready: Arc<Mutex<Ready>>, mu
                 }
             }
             Msg::Drop(req_id) => scatter.drop_request(&req_id),
+            Msg::Sink(s) => sink = s,
             Msg::Fence(ack) => {
                 let _ = ack.send(());
             }
@@ -130,6 +141,14 @@ impl Assembler {
     /// Queues the drop of a request's partial sample (after every step already queued).
     pub fn drop_request(&self, req_id: &str) -> CoreResult<()> {
         self.send(Msg::Drop(req_id.to_string()))
+    }
+
+    /// Where completed samples go from now on: the writer (through `w`), or, with None, the list
+    /// `take_ready` empties. Returns once the thread has switched (and dropped any earlier submitter,
+    /// so a writer can finish).
+    pub fn set_sink(&self, w: Option<Submitter>) -> CoreResult<()> {
+        self.send(Msg::Sink(w))?;
+        self.fence()
     }
 
     /// A step buffer whose rows are copied: waits for one when `block` (None if the thread is gone).

@@ -29,6 +29,16 @@ impl Session {
         Ok(())
     }
 
+    /// Background assembly: completed samples go from the assembler thread straight to the writer
+    /// (`Some`), or wait for [`Session::take_ready`] (`None`: also what lets a writer finish). Inline
+    /// assembly returns samples in each outcome and ignores this.
+    pub fn set_sink(&mut self, w: Option<crate::writer::Submitter>) -> CoreResult<()> {
+        match &self.scattering {
+            Scattering::Background(a) => a.set_sink(w),
+            Scattering::Inline(_) => Ok(()),
+        }
+    }
+
     /// Whether rows are scattered on the assembler thread.
     pub fn background(&self) -> bool {
         matches!(self.scattering, Scattering::Background(_))

@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
@@ -95,14 +96,40 @@ struct Shared {
 struct State {
     shared: Mutex<Shared>,
     progress: Condvar,
+    /// Samples accepted by the queue so far (from the writer and its submitters).
+    submitted: AtomicU64,
 }
 
 pub struct Writer {
     tx: Option<Sender<Sample>>,
     handles: Vec<JoinHandle<()>>,
     state: Arc<State>,
-    submitted: u64,
     dir: PathBuf,
+}
+
+/// Queues samples for a writer from another thread (the assembler's). The writer's threads stop only
+/// once every submitter is dropped: drop it before [`Writer::finish`].
+#[derive(Clone)]
+pub struct Submitter {
+    tx: Sender<Sample>,
+    state: Arc<State>,
+}
+
+fn first_error(state: &State) -> CoreResult<()> {
+    match lock(&state.shared).errors.first() {
+        Some(e) => Err(e.clone()),
+        None => Ok(()),
+    }
+}
+
+impl Submitter {
+    /// Queues a sample; blocks while the queue is full (backpressure). Reports an earlier failed write.
+    pub fn submit(&self, sample: Sample) -> CoreResult<()> {
+        first_error(&self.state)?;
+        self.tx.send(sample).map_err(|_| core_err!(Output, "the writer has stopped; no more samples can be written"))?;
+        self.state.submitted.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
 }
 
 fn lock(m: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
@@ -163,7 +190,7 @@ impl Writer {
                 .map_err(|e| core_err!(Output, "cannot start a writer thread: {e}"))?;
             handles.push(h);
         }
-        Ok(Writer { tx: Some(tx), handles, state, submitted: 0, dir })
+        Ok(Writer { tx: Some(tx), handles, state, dir })
     }
 
     pub fn dir(&self) -> &std::path::Path {
@@ -172,21 +199,19 @@ impl Writer {
 
     /// Reports the first failed write, if any.
     pub fn poll(&self) -> CoreResult<()> {
-        match lock(&self.state.shared).errors.first() {
-            Some(e) => Err(e.clone()),
-            None => Ok(()),
-        }
+        first_error(&self.state)
+    }
+
+    /// A handle that queues samples from another thread; None once the writer is finished.
+    pub fn submitter(&self) -> Option<Submitter> {
+        self.tx.as_ref().map(|tx| Submitter { tx: tx.clone(), state: Arc::clone(&self.state) })
     }
 
     /// Queues a sample; blocks while the queue is full.
     pub fn submit(&mut self, sample: Sample) -> CoreResult<()> {
         self.poll()?;
-        match &self.tx {
-            Some(tx) => {
-                tx.send(sample).map_err(|_| core_err!(Output, "the writer has stopped; no more samples can be written"))?;
-                self.submitted += 1;
-                Ok(())
-            }
+        match self.submitter() {
+            Some(s) => s.submit(sample),
             None => Err(core_err!(Output, "the writer was finished; no more samples can be written")),
         }
     }
@@ -194,7 +219,7 @@ impl Writer {
     /// Waits until every sample submitted so far is written (the writer keeps running).
     pub fn drain(&self) -> CoreResult<()> {
         let mut g = lock(&self.state.shared);
-        while g.done < self.submitted {
+        while g.done < self.state.submitted.load(Ordering::SeqCst) {
             g = self.state.progress.wait(g).unwrap_or_else(|p| p.into_inner());
         }
         drop(g);

@@ -235,7 +235,12 @@ impl CaptureSession {
     /// the next forward does not wait for it. Only before the first step.
     #[pyo3(signature = (ring=2))]
     fn set_background(&mut self, ring: usize) -> PyResult<()> {
-        guard("set_background", || Ok(self.inner.set_background(ring)?))
+        guard("set_background", || {
+            self.inner.set_background(ring)?;
+            // Samples go from the assembler thread to the writer: nothing of them on this thread.
+            let sink = self.writer.as_ref().and_then(|w| w.submitter());
+            Ok(self.inner.set_sink(sink)?)
+        })
     }
 
     #[getter]
@@ -362,7 +367,13 @@ impl CaptureSession {
 
     /// Waits for the writer to finish every queued sample; returns the records not yet taken.
     fn finish<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        guard("finish", || self.take_outcome(py, None, true).map(|_| ()))?;
+        guard("finish", || {
+            self.take_outcome(py, None, true)?;
+            // The writer's threads stop only once the assembler's submitter is gone.
+            let inner = &mut self.inner;
+            py.detach(|| inner.set_sink(None))?;
+            self.take_outcome(py, None, true).map(|_| ())
+        })?;
         let recs = match self.writer.as_mut() {
             Some(w) => py.detach(|| w.finish())?,
             None => Vec::new(),

@@ -53,3 +53,23 @@ fn a_failed_write_is_reported() {
     assert_eq!(e.kind, crate::ErrorKind::ShapeContract);
     assert!(!d.path().join(JOURNAL).exists(), "a failed sample never reaches the journal");
 }
+
+#[test]
+fn a_submitter_on_another_thread_counts_for_drain_and_finish() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = WriterConfig { root: d.path().into(), threads: 2, queue: 1, durable: false, metadata: HashMap::new(), pool: None, compress: None };
+    let mut w = Writer::start(cfg).unwrap();
+    let sub = w.submitter().unwrap();
+    let t = std::thread::spawn(move || {
+        for i in 0..6 {
+            sub.submit(sample(i)).unwrap(); // a queue of 1: blocks until the writer catches up
+        }
+        // `sub` is dropped here, which lets the writer's threads stop at finish.
+    });
+    t.join().unwrap();
+    w.drain().unwrap();
+    assert_eq!(w.take_records().len(), 6, "drain waits for what the submitter queued");
+    w.submit(sample(6)).unwrap();
+    assert_eq!(w.finish().unwrap().len(), 1);
+    assert!(w.submitter().is_none(), "a finished writer hands out no submitter");
+}

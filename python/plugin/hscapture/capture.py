@@ -104,14 +104,16 @@ class WorkerCapture:
         preload_nvrtc()
         rows = int(vc.scheduler_config.max_num_batched_tokens)
         try:
-            arch = self.session.enable_device(torch.cuda.current_device(), rows, _assembly_ring() or 1)
+            ring = (_assembly_ring() if self.session.background else 0) or 1  # ranks that only verify need one
+            arch = self.session.enable_device(torch.cuda.current_device(), rows, ring)
         except HscaptureError as e:
             if mode == "required":
                 raise
             log.warning("hscapture: the CUDA capture path is unavailable (%s); copying to the host in the hook", e)
             return "host"
-        log.info("hscapture: CUDA capture kernel built for %s; device arena %.1f MiB for %d rows",
-                 arch, self.session.device_bytes / 2**20, rows)
+        log.info("hscapture: CUDA capture kernel built for %s; device arena %.1f MiB for %d rows; %d pinned host "
+                 "buffer(s), assembly %s", arch, self.session.device_bytes / 2**20, rows, ring,
+                 "on the assembler thread" if self.session.background else "inline")
         return "device"
 
     def _init_state(self, cfg: CaptureConfig, session: Any, tp: Any, model_runner: Any, global_rank: int,

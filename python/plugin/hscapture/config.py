@@ -36,7 +36,7 @@ class CaptureConfig:
     convention: str
     out: str | None = None
     dtype: str = "auto"
-    writer_threads: int = 2
+    writer_threads: int = 4
     writer_queue: int = 8
     durable: bool = True
     on_nonfinite: str = "error"

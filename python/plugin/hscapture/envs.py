@@ -33,7 +33,9 @@ REGISTRY: dict[str, EnvVar] = {
                "Output directory; files go to `OUT/hidden_states/`. Unset: samples stay in memory for the RPC surface."),
         EnvVar("HSCAPTURE_DTYPE", "str", "auto",
                "Stored dtype: `auto` (the model's), `float32`, `bfloat16` or `float16`."),
-        EnvVar("HSCAPTURE_WRITER_THREADS", "int", "2", "Threads writing sample files."),
+        EnvVar("HSCAPTURE_WRITER_THREADS", "int", "4",
+               "Threads writing sample files (durable writes overlap their fsyncs: 4 reached the disk's sequential "
+               "bandwidth where 1 reached 0.67 of it, docs/benchmarks.md)."),
         EnvVar("HSCAPTURE_WRITER_QUEUE", "int", "8",
                "Samples waiting for the writer before capture blocks (backpressure; bounds host memory)."),
         EnvVar("HSCAPTURE_DURABLE", "bool", "1",

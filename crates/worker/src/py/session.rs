@@ -77,7 +77,7 @@ impl CaptureSession {
     /// `out_dir=None` keeps completed samples in memory for `take_samples()`; otherwise they are
     /// written to `out_dir/hidden_states/` by `writer_threads` threads.
     #[new]
-    #[pyo3(signature = (layer_ids, convention, num_hidden_layers, hidden_size, model_dtype, out_dtype, assemble, out_dir=None, writer_threads=2, writer_queue=8, durable=true, metadata=HashMap::new(), compress=None))]
+    #[pyo3(signature = (layer_ids, convention, num_hidden_layers, hidden_size, model_dtype, out_dtype, assemble, out_dir=None, writer_threads=4, writer_queue=8, durable=true, metadata=HashMap::new(), compress=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         layer_ids: Vec<i64>,

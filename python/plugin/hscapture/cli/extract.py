@@ -47,7 +47,7 @@ class ExtractOptions:
     max_model_len: int | None = None
     overwrite: bool = False
     resume: bool = False
-    writer_threads: int = 2
+    writer_threads: int = 4
     durable: bool = True
     progress: bool = True  # a bar; False: plain log lines every `log_every` seconds (0: none)
     log_every: float = 0.0

@@ -56,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--overwrite", action="store_true", help="replace an existing capture in --out")
     ex.add_argument("--resume", action="store_true",
                     help="continue an earlier run in --out: its finished samples are kept, the rest captured")
-    ex.add_argument("--writer-threads", type=int, default=2)
+    ex.add_argument("--writer-threads", type=int, default=4)
     ex.add_argument("--no-fsync", action="store_true", help="do not fsync files before declaring them done")
 
     de = sub.add_parser("demo", help="run the whole path on a tiny DeepSeek-V3-shaped model and check it against HF")

@@ -184,14 +184,20 @@ impl CaptureSession {
                 finished,
                 preempted,
             };
-            let out = self.inner.begin_step(input)?;
+            // Waits for the previous device step's copies (and may wait for the ring): without the GIL.
+            let inner = &mut self.inner;
+            let out = py.detach(|| inner.begin_step(input))?;
             self.take_outcome(py, out, false)
         })
     }
 
     /// Fixes the step's layout from the runner's request order; returns the number of prompt rows.
-    fn plan(&mut self, order: Vec<String>) -> PyResult<usize> {
-        guard("plan", || Ok(self.inner.plan(&order)?.arena_rows))
+    /// May wait for a host buffer to come back from the assembler thread: without the GIL.
+    fn plan(&mut self, py: Python<'_>, order: Vec<String>) -> PyResult<usize> {
+        guard("plan", || {
+            let inner = &mut self.inner;
+            Ok(py.detach(|| inner.plan(&order).map(|p| p.arena_rows))?)
+        })
     }
 
     /// Captures slot `slot` from a layer's hidden states (+ residual): torch tensors, read in place

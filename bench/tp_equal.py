@@ -6,7 +6,9 @@ For each shape: a model of that width (fewer layers and, for DeepSeek-V3, fewer 
 is built in seconds) gets random weights from a fixed seed and is saved once; `hscapture extract` then
 captures the same prompts at TP=1 and at TP=N from those weights, and every token of every sample is compared
 (relative error per token and layer; bf16 with a different all-reduce order, so not bit-equal). Prints one
-line per shape and exits non-zero when a shape exceeds --tol.
+line per shape and exits non-zero when a shape exceeds --tol. `--dtype float32` runs both captures in float32
+(the bf16 weights upcast): where bf16 differences come from rounding (e.g. top-k expert choices flipped in MoE
+layers), they shrink to float32 noise there; a mis-attribution would not.
 """
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ def build(name: str, mdir: Path) -> None:
     (mdir / "config.json").write_text(json.dumps(c, indent=1))
 
 
-def capture(mdir: Path, out: Path, tp: int, prompts: Path, ids: list[int]) -> None:
+def capture(mdir: Path, out: Path, tp: int, prompts: Path, ids: list[int], dtype: str) -> None:
     cmd = [sys.executable, "-m", "hscapture", "extract", "--model", str(mdir), "--input", str(prompts), "--out", str(out),
-           "--convention", "after", "--layers", ",".join(map(str, ids)), "--tp", str(tp), "--dtype", "bfloat16",
+           "--convention", "after", "--layers", ",".join(map(str, ids)), "--tp", str(tp), "--dtype", dtype,
            "--max-num-batched-tokens", "2048", "--no-fsync", "--overwrite"]
     env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0", "HSCAPTURE_DEVICE_PATH": "required"}
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -66,6 +68,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--tol", type=float, default=3e-2)
     ap.add_argument("--out", default="/tmp/tpeq")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the model's dtype in vLLM")
     args = ap.parse_args()
     from hscapture import load_sample
     from hscapture.compare import compare
@@ -82,8 +85,9 @@ def main() -> None:
         pfile.write_text("".join(json.dumps({"token_ids": [rng.randrange(10, vocab) for _ in range(n)]}) + "\n" for n in lens))
         runs = {}
         for tp in (1, args.tp):
-            capture(mdir, out / f"{name}-tp{tp}", tp, pfile, IDS[name])
-            runs[tp] = [load_sample(out / f"{name}-tp{tp}" / "hidden_states" / f"hs_{i}.safetensors")
+            run_dir = out / f"{name}-{args.dtype}-tp{tp}"
+            capture(mdir, run_dir, tp, pfile, IDS[name], args.dtype)
+            runs[tp] = [load_sample(run_dir / "hidden_states" / f"hs_{i}.safetensors")
                         for i in range(args.prompts)]
         import torch
 
@@ -92,7 +96,7 @@ def main() -> None:
         errs = torch.cat([relative_errors(a["hidden_states"], b["hidden_states"]) for a, b in zip(runs[args.tp], runs[1])])
         for k in range(errs.shape[1]):
             e = errs[:, k]
-            print(f"TP_EQUAL {name} layer slot {k} (after-layer id {IDS[name][k]}): worst {float(e.max()):.2e}, "
+            print(f"TP_EQUAL {name} {args.dtype} layer slot {k} (after-layer id {IDS[name][k]}): worst {float(e.max()):.2e}, "
                   f"median {float(e.median()):.2e}, p99 {float(e.quantile(0.99)):.2e}, tokens above {args.tol:g}: "
                   f"{int((e > args.tol).sum())} of {e.numel()}", flush=True)
         same_tokens = all(a["token_ids"].tolist() == b["token_ids"].tolist() for a, b in zip(runs[1], runs[args.tp]))

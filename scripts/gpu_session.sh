@@ -7,7 +7,8 @@
 #   run: bash scripts/gpu_session.sh run [WHAT] carry [".gpu/stage"]
 #
 # WHAT (default "tests,bench"): tests = tests/gpu; bench = bench/gpu.py for the Llama-8B and DeepSeek-V3
-# shapes with modes plain,hscapture,hscapture_inline,vllm; durable = the same with hscapture_durable.
+# shapes with modes plain,hscapture,hscapture_inline,vllm; durable = the same with hscapture_durable;
+# tp2 (nvidia-h200-x2) = the TP=2 benchmark and the DeepSeek-V3 TP=2 vs TP=1 check in float32.
 # Logs go to $OUT (they come back with the call).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,13 +39,18 @@ case "$what" in
       python3 bench/gpu.py --models llama8b,dsv3 --modes plain,hscapture,hscapture_inline,vllm \
         --prompts 64 --batch 16 --length 1024 --rounds 2 2>&1 | tee "$out/bench.log"
     fi
+    if [[ ",$parts," == *",tp2,"* ]]; then
+      python3 bench/gpu.py --tp 2 --models llama8b --modes plain,hscapture,vllm \
+        --prompts 64 --batch 16 --length 1024 --rounds 2 2>&1 | tee "$out/tp2-bench.log"
+      python3 bench/tp_equal.py --shapes dsv3 --tp 2 --dtype float32 2>&1 | tee "$out/tp2-equal-f32.log"
+    fi
     if [[ ",$parts," == *",durable,"* ]]; then
       python3 bench/gpu.py --models llama8b --modes plain,hscapture_durable \
         --prompts 64 --batch 16 --length 1024 --rounds 2 2>&1 | tee "$out/durable.log"
     fi
     ;;
   *)
-    echo "usage: $0 stage | install | run [tests,bench,durable]" >&2
+    echo "usage: $0 stage | install | run [tests,bench,durable,tp2]" >&2
     exit 2
     ;;
 esac

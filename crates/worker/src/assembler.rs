@@ -177,7 +177,8 @@ impl Assembler {
         self.check()
     }
 
-    fn check(&self) -> CoreResult<()> {
+    /// The thread's first error, if it had one.
+    pub fn check(&self) -> CoreResult<()> {
         match &lock(&self.ready).error {
             Some(e) => Err(e.clone()),
             None => Ok(()),

@@ -293,8 +293,11 @@ impl DeviceBackend for CudaDevice {
         self.kernel.bind().map_err(kerr)?;
         let ev = self.copies_done;
         // SAFETY: the event was recorded by `end_step` on the copy stream.
-        guarded("cuEventSynchronize", || unsafe { drv("cuEventSynchronize", cu::event::synchronize(ev)) }).map_err(kerr)?;
+        let synced = guarded("cuEventSynchronize", || unsafe { drv("cuEventSynchronize", cu::event::synchronize(ev)) });
+        // Whatever happened, the step is over: on failure its buffer stays in `cur`, unread, and the
+        // next `reset` reuses it (so the ring never loses a buffer).
         self.in_flight = false;
+        synced.map_err(kerr)?;
         let Some(i) = self.cur.take() else {
             bail!(Compatibility, "a device step was in flight without a host buffer");
         };

@@ -91,6 +91,8 @@ pub struct Session {
     spare_arenas: Vec<Arena>,
     arenas: usize,
     ring: usize,
+    /// Device host buffers with the assembler thread (not yet given back to the device).
+    device_out: usize,
     device: Option<Box<dyn DeviceBackend>>,
     assembly: Assembly,
     filled: Vec<bool>,
@@ -120,6 +122,7 @@ impl Session {
             spare_arenas: Vec::new(),
             arenas: 1,
             ring: 1,
+            device_out: 0,
             device: None,
             assembly,
             filled: vec![false; slots],
@@ -207,8 +210,15 @@ impl Session {
     }
 
     /// Captures device tensors through `device` from now on.
-    pub fn set_device(&mut self, device: Box<dyn DeviceBackend>) {
+    /// Once, before the first step (the assembler thread may later hold the device's host buffers).
+    pub fn set_device(&mut self, device: Box<dyn DeviceBackend>) -> CoreResult<()> {
+        ensure!(
+            self.device.is_none() && self.pending.is_none() && self.assembly.stats.steps == 0 && !self.tracker.in_step(),
+            Config,
+            "the device path is enabled once, before the first step"
+        );
         self.device = Some(device);
+        Ok(())
     }
 
     pub fn has_device(&self) -> bool {
@@ -317,11 +327,10 @@ impl Session {
         let plan = self.tracker.plan(order)?;
         let (step, rows, runs) = (plan.step, plan.arena_rows, plan.runs());
         self.arena.reset(rows);
-        if self.device.as_ref().is_some_and(|d| d.free_host() == 0) {
-            // Every host buffer of the device's ring is with the assembler thread: wait for one.
-            while self.device.as_ref().is_some_and(|d| d.free_host() == 0) {
-                self.reclaim(true)?;
-            }
+        // Every free host buffer of the device's ring is with the assembler thread: wait for one (none
+        // free and none out is the device's error to report, in `reset`).
+        while self.device_out > 0 && self.device.as_ref().is_some_and(|d| d.free_host() == 0) {
+            self.reclaim(true)?;
         }
         if let Some(dev) = self.device.as_mut() {
             ensure!(

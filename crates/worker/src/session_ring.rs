@@ -70,7 +70,7 @@ impl Session {
         loop {
             let Some(b) = a.returned(first) else {
                 if first {
-                    a.take_ready()?;
+                    a.check()?;
                     bail!(Output, "the assembler thread stopped while the worker waited for a step buffer");
                 }
                 return Ok(());
@@ -79,7 +79,10 @@ impl Session {
             match b {
                 StepBuffer::Arena(x) => self.spare_arenas.push(x),
                 StepBuffer::Device(d) => match self.device.as_mut() {
-                    Some(dev) => dev.recycle(d)?,
+                    Some(dev) => {
+                        self.device_out -= 1;
+                        dev.recycle(d)?
+                    }
                     None => bail!(Compatibility, "a device step buffer came back but the device path is gone"),
                 },
             }
@@ -123,7 +126,10 @@ impl Session {
             }
             Scattering::Background(_) => {
                 let sb = match buf {
-                    Some(b) => StepBuffer::Device(b),
+                    Some(b) => {
+                        self.device_out += 1;
+                        StepBuffer::Device(b)
+                    }
                     None => {
                         let fresh = self.next_arena()?;
                         StepBuffer::Arena(std::mem::replace(&mut self.arena, fresh))

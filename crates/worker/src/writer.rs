@@ -126,9 +126,12 @@ impl Submitter {
     /// Queues a sample; blocks while the queue is full (backpressure). Reports an earlier failed write.
     pub fn submit(&self, sample: Sample) -> CoreResult<()> {
         first_error(&self.state)?;
-        self.tx.send(sample).map_err(|_| core_err!(Output, "the writer has stopped; no more samples can be written"))?;
+        // Counted before the send, so that `drain` never sees a written sample it was not told of.
         self.state.submitted.fetch_add(1, Ordering::SeqCst);
-        Ok(())
+        self.tx.send(sample).map_err(|_| {
+            self.state.submitted.fetch_sub(1, Ordering::SeqCst);
+            core_err!(Output, "the writer has stopped; no more samples can be written")
+        })
     }
 }
 

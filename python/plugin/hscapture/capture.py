@@ -321,7 +321,11 @@ class WorkerCapture:
         return list(self.session.drain())
 
     def finish(self) -> dict:
-        self.flush()
+        try:
+            self.flush()
+        except HscaptureError:
+            self.session.finish()  # the writer still writes what it holds and stops; then the error
+            raise
         records = list(self.session.finish())
         return {
             "tp_rank": self.tp.rank,

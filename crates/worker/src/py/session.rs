@@ -263,7 +263,7 @@ impl CaptureSession {
             let cfg = self.inner.config().clone();
             let dev = py.detach(|| CudaDevice::new(ordinal, cfg.layers.num_slots(), cfg.hidden_size, cfg.out_dtype, capacity_rows, host_ring))?;
             let arch = dev.arch().to_string();
-            self.inner.set_device(Box::new(dev));
+            self.inner.set_device(Box::new(dev))?;
             Ok(arch)
         })
     }
@@ -373,17 +373,25 @@ impl CaptureSession {
 
     /// Waits for the writer to finish every queued sample; returns the records not yet taken.
     fn finish<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        guard("finish", || {
-            self.take_outcome(py, None, true)?;
+        // Even after an error, the writer is finished (its queue written, its threads joined); the first
+        // error is reported after that.
+        let first = guard("finish", || {
+            let r = self.take_outcome(py, None, true).map(|_| ());
             // The writer's threads stop only once the assembler's submitter is gone.
             let inner = &mut self.inner;
-            py.detach(|| inner.set_sink(None))?;
+            let unset = py.detach(|| inner.set_sink(None)).map_err(PyErr::from);
+            r.and(unset)?;
             self.take_outcome(py, None, true).map(|_| ())
-        })?;
-        let recs = match self.writer.as_mut() {
-            Some(w) => py.detach(|| w.finish())?,
-            None => Vec::new(),
+        })
+        .err();
+        let finished = match self.writer.as_mut() {
+            Some(w) => py.detach(|| w.finish()).map_err(PyErr::from),
+            None => Ok(Vec::new()),
         };
+        if let Some(e) = first {
+            return Err(e);
+        }
+        let recs = finished?;
         let out = PyList::empty(py);
         for r in &recs {
             out.append(record_dict(py, r)?)?;

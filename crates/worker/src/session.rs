@@ -81,6 +81,12 @@ enum Scattering {
     Background(Assembler),
 }
 
+/// An empty scatter for `cfg`'s samples, recycling buffers through `pool`.
+fn new_scatter(cfg: &SessionConfig, pool: &std::sync::Arc<crate::pool::BufferPool>) -> Scatter {
+    let geo = Geometry { slots: cfg.layers.num_slots(), width: cfg.hidden_size, dtype: cfg.out_dtype };
+    Scatter::new(geo, std::sync::Arc::clone(pool))
+}
+
 pub struct Session {
     cfg: SessionConfig,
     tracker: Tracker,
@@ -112,8 +118,7 @@ impl Session {
         let slots = cfg.layers.num_slots();
         let arena = Arena::new(slots, cfg.hidden_size, cfg.out_dtype);
         let assembly = Assembly::default();
-        let geo = Geometry { slots, width: cfg.hidden_size, dtype: cfg.out_dtype };
-        let scatter = Scatter::new(geo, std::sync::Arc::clone(&assembly.pool));
+        let scatter = new_scatter(&cfg, &assembly.pool);
         Ok(Session {
             cfg,
             tracker: Tracker::new(),
@@ -242,7 +247,8 @@ impl Session {
         &self.tracker
     }
 
-    /// Host bytes held: the arena, partly captured requests, the device path's pinned buffer.
+    /// Host bytes held: the step arenas, partly captured requests (and, in the background, completed
+    /// samples not yet handed over), the device path's pinned buffers.
     pub fn held_bytes(&self) -> usize {
         self.arena.allocated_bytes()
             + self.spare_arenas.iter().map(Arena::allocated_bytes).sum::<usize>()
@@ -500,8 +506,7 @@ impl Session {
 impl Drop for Session {
     fn drop(&mut self) {
         // The assembler thread may be reading the device's pinned buffers: stop it first.
-        let geo = Geometry { slots: 0, width: 0, dtype: self.cfg.out_dtype };
-        self.scattering = Scattering::Inline(Scatter::new(geo, std::sync::Arc::clone(&self.assembly.pool)));
+        self.scattering = Scattering::Inline(new_scatter(&self.cfg, &self.assembly.pool));
         self.device = None;
     }
 }

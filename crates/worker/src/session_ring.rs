@@ -7,7 +7,7 @@ use crate::arena::Arena;
 use crate::assembler::{Assembler, StepBuffer};
 use crate::device::HostStep;
 use crate::sample::Sample;
-use crate::scatter::{Geometry, Scatter, ScatterJob};
+use crate::scatter::ScatterJob;
 use crate::{bail, ensure, error::CoreResult};
 
 impl Session {
@@ -21,9 +21,7 @@ impl Session {
             "background assembly is chosen before the first step"
         );
         if let Scattering::Inline(_) = self.scattering {
-            let geo = Geometry { slots: self.cfg.layers.num_slots(), width: self.cfg.hidden_size, dtype: self.cfg.out_dtype };
-            let scatter = Scatter::new(geo, std::sync::Arc::clone(&self.assembly.pool));
-            self.scattering = Scattering::Background(Assembler::start(scatter)?);
+            self.scattering = Scattering::Background(Assembler::start(super::new_scatter(&self.cfg, &self.assembly.pool))?);
         }
         self.ring = ring;
         Ok(())

@@ -8,6 +8,7 @@
 #
 # WHAT (default "tests,bench"): tests = tests/gpu; bench = bench/gpu.py for the Llama-8B and DeepSeek-V3
 # shapes with modes plain,hscapture,hscapture_inline,vllm; durable = the same with hscapture_durable;
+# MODELS, MODES and PROMPTS (environment) override the bench part's defaults;
 # tp2 (nvidia-h200-x2) = the TP=2 benchmark and the DeepSeek-V3 TP=2 vs TP=1 check in float32.
 # Logs go to $OUT (they come back with the call).
 set -euo pipefail
@@ -36,8 +37,8 @@ case "$what" in
       python3 -m pytest tests/gpu -q -s 2>&1 | tail -60 | tee "$out/tests.log"
     fi
     if [[ ",$parts," == *",bench,"* ]]; then
-      python3 bench/gpu.py --models llama8b,dsv3 --modes plain,hscapture,hscapture_inline,vllm \
-        --prompts 64 --batch 16 --length 1024 --rounds 2 2>&1 | tee "$out/bench.log"
+      python3 bench/gpu.py --models "${MODELS:-llama8b,dsv3}" --modes "${MODES:-plain,hscapture,hscapture_inline,vllm}" \
+        --prompts "${PROMPTS:-64}" --batch 16 --length 1024 --rounds 2 2>&1 | tee "$out/bench-${PROMPTS:-64}.log"
     fi
     if [[ ",$parts," == *",tp2,"* ]]; then
       python3 bench/gpu.py --tp 2 --models llama8b --modes plain,hscapture,vllm \

@@ -18,10 +18,15 @@ CASES = [
     ("llama", 2, "after", [0, 1, 3]),
     pytest.param("deepseek_v2", 1, "after", [0, 2, 3],
                  marks=pytest.mark.skipif(not moe_float32_runs(), reason=MOE_FLOAT32_REASON)),
+    # MoE at TP=2 in float32: the experts are split across the ranks and reduced; what hscapture captures must
+    # still equal transformers token by token (on the H200s, bf16 TP=2 vs TP=1 differs on a few MoE tokens and
+    # MLA has no float32 kernel there, so this is where the float32 MoE TP=2 check runs)
+    pytest.param("deepseek_v2", 2, "after", [0, 2, 3],
+                 marks=pytest.mark.skipif(not moe_float32_runs(), reason=MOE_FLOAT32_REASON)),
 ]
 
 
-@pytest.mark.parametrize("kind,tp,convention,layers", CASES, ids=["llama-tp1-before", "llama-tp2-after", "deepseek_v2-tp1-after"])
+@pytest.mark.parametrize("kind,tp,convention,layers", CASES, ids=["llama-tp1-before", "llama-tp2-after", "deepseek_v2-tp1-after", "deepseek_v2-tp2-after"])
 def test_matches_transformers(tmp_path, tiny_model, kind, tp, convention, layers):
     model = tiny_model(kind)
     ps = prompts(seed=tp)

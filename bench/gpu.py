@@ -107,7 +107,8 @@ def main() -> None:
             results[mode] = res
             du = subprocess.run(["du", "-sb", str(run_out)], capture_output=True, text=True).stdout.split()
             res["bytes"] = int(du[0]) if du else 0
-            print(f"[{name}/{mode}] {res['tokens'] / res['seconds']:,.0f} tok/s (rounds {', '.join(f'{x:.2f}' for x in res['rounds'])} s; "
+            tail = f"; waiting for files after the last step {min(res['drains']):.3f} s" if mode.startswith("hscapture") else ""
+            print(f"[{name}/{mode}] {res['tokens'] / res['seconds']:,.0f} tok/s (rounds {', '.join(f'{x:.2f}' for x in res['rounds'])} s{tail}; "
                   f"{res['bytes'] / 2**30:.2f} GiB on disk{'; path ' + res['device_path'] if 'device_path' in res else ''}; "
                   f"process {time.perf_counter() - t:.0f} s)", flush=True)
             subprocess.run(["rm", "-rf", str(run_out)])

@@ -48,15 +48,17 @@ if __name__ == "__main__":
     llm.generate(prompts[:batch], sp, use_tqdm=False)  # warm-up
     if mode.startswith("hscapture"):
         llm.collective_rpc("hscapture_drain")
-    per = []
+    per, drains = [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)
+        t1 = time.perf_counter()
         if mode.startswith("hscapture"):
             res = [r for r in llm.collective_rpc("hscapture_drain") if r and r.get("writer")]
             path = res[0]["device_path"] if res else "?"
         per.append(time.perf_counter() - t0)
-    info = {"mode": mode, "tokens": n_prompts * length, "seconds": min(per), "rounds": per}
+        drains.append(time.perf_counter() - t1)  # the run's tail: the last step's copy, assembly and writes
+    info = {"mode": mode, "tokens": n_prompts * length, "seconds": min(per), "rounds": per, "drains": drains}
     if mode.startswith("hscapture"):
         info["device_path"] = path
     print("BENCH_JSON " + json.dumps(info), flush=True)

@@ -36,3 +36,14 @@ def test_matches_transformers(tmp_path, tiny_model, kind, tp, convention, layers
     if convention == "after":
         mixed_up = reference(tmp_path, model, ps, rep.layer_ids, "before")
         assert not compare([s["hidden_states"] for s in samples], mixed_up).ok(TOL)
+
+
+def test_compiled_matches_transformers(tmp_path, tiny_model):
+    """vLLM's torch.compile on (the CPU platform traces once and compiles with inductor): the hooks are traced
+    into the graph and call hscapture's ops, which see each forward's tensors; the capture equals
+    transformers exactly as in eager mode, chunked prefill and both kinds of layer slot included."""
+    model = tiny_model("llama")
+    ps = prompts(seed=5)
+    rep, samples = extract(tmp_path, model, ps, tp=1, convention="before", layers=[0, 2, 4], compile=True)
+    assert rep.traced_calls and rep.traced_calls >= 3 * 2, f"the compiled graph did not call hscapture's op: {rep.traced_calls}"
+    assert_matches_reference(tmp_path, model, ps, rep, samples, [0, 2, 4], "before")

@@ -52,7 +52,7 @@ def _assembly_ring() -> int:
 class WorkerCapture:
     def __init__(self, worker: Any, cfg: CaptureConfig) -> None:
         vc = worker.vllm_config
-        vllm_compat.check_eager(vc)
+        compiled = vllm_compat.compiled(vc)
         pp_size, pp_rank = vllm_compat.pp_info()
         n_layers, hidden, model_dtype, model = _model_facts(vc)
         layer_ids = cfg.resolve(n_layers)
@@ -82,12 +82,19 @@ class WorkerCapture:
 
             self.link = StageLink(session, pp_size, pp_rank, tp.rank, local, len(points))
         self.device_path = "host" if pp_size > 1 and torch.cuda.is_available() else self._enable_device(vc)
-        self.handles = hooks.install(layers, points, self._on_capture)
+        on_capture, on_positions = self._on_capture, self._on_positions
+        if compiled:  # the hooks are traced into vLLM's graph: they call hscapture's ops (traced.py)
+            from . import traced
+
+            self._owner = owner = traced.register(self._on_capture, self._on_positions)
+            on_capture = lambda slot, h, r, owner=owner: traced.tap(h, r, slot, owner)  # noqa: E731
+            on_positions = lambda p, owner=owner: traced.positions(p, owner)  # noqa: E731
+        self.handles = hooks.install(layers, points, on_capture)
         if tp.size > 1:  # a sharded residual stream exists only across TP ranks
-            self.handles += hooks.install_positions_probe(layers, self._on_positions)
-        log.info("hscapture: capturing %s ids %s at %s (%d hooks), tp rank %d/%d, pp rank %d/%d, writer=%s",
-                 cfg.convention, self.layer_ids, name, len(self.handles), self.tp.rank, self.tp.size, pp_rank, pp_size,
-                 self.writer_rank)
+            self.handles += hooks.install_positions_probe(layers, on_positions)
+        log.info("hscapture: capturing %s ids %s at %s (%d hooks%s), tp rank %d/%d, pp rank %d/%d, writer=%s",
+                 cfg.convention, self.layer_ids, name, len(self.handles), ", traced into torch.compile" if compiled else "",
+                 self.tp.rank, self.tp.size, pp_rank, pp_size, self.writer_rank)
 
     def _enable_device(self, vc: Any) -> str:
         """The capture path for CUDA tensors: ``device`` (kernel + arena + async copies), ``host`` (copies
@@ -130,6 +137,7 @@ class WorkerCapture:
         self._scheduled: dict[str, int] = {}
         self.global_rank = global_rank
         self.handles: list[Any] = []
+        self._owner: int | None = None  # the number the compiled graph's ops carry (traced.py)
         self.device_path = "none"
         self._active = False
         self._total = 0
@@ -178,9 +186,9 @@ class WorkerCapture:
                 self._admitted_set.add(r.req_id)
                 self._admitted.append(r.req_id)
 
-    def _on_positions(self, n: int) -> None:
+    def _on_positions(self, positions: torch.Tensor) -> None:
         if self._active:
-            self._forward_tokens = n
+            self._forward_tokens = int(positions.shape[-1])
 
     def _unshard(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None):
         """A residual stream sharded across the TP ranks (sequence-parallel MoE) is gathered, in rank
@@ -308,6 +316,11 @@ class WorkerCapture:
         for h in self.handles:
             h.remove()
         self.handles = []
+        if self._owner is not None:
+            from . import traced
+
+            traced.unregister(self._owner)
+            self._owner = None
         self.session.finish()
 
     def abandon(self) -> None:
@@ -327,7 +340,13 @@ class WorkerCapture:
             self.session.finish()  # the writer still writes what it holds and stops; then the error
             raise
         records = list(self.session.finish())
+        traced_calls = None
+        if self._owner is not None:
+            from . import traced
+
+            traced_calls = traced.calls(self._owner)
         return {
+            "traced_calls": traced_calls,
             "tp_rank": self.tp.rank,
             "writer": self.writer_rank,
             "records": records,

@@ -6,6 +6,9 @@
 - ``("embeddings", 0)``: a forward pre-hook on layer 0 reading its ``hidden_states`` argument (plus
   ``residual`` if one is passed).
 
+Under torch.compile the same hooks are traced into the graph; the callbacks they get then call the
+custom ops of ``traced.py`` (see there).
+
 No model's forward is copied: whatever a model computes between layers (DeepSeek's
 ``llama_4_scaling``, Gemma's embedding scale) is already in what the layers see.
 """
@@ -97,10 +100,10 @@ def install(layers: torch.nn.ModuleList, points: list[tuple[str, int]], capture:
 
 
 
-def install_positions_probe(layers: torch.nn.ModuleList, seen: Callable[[int], None]) -> list[Any]:
-    """A pre-hook on the first decoder layer this rank runs, reporting how many tokens the forward runs
-    (its ``positions``, padding included): what a sharded residual stream was split from. No hook if the
-    layer takes no ``positions`` (the step's scheduled count is used instead)."""
+def install_positions_probe(layers: torch.nn.ModuleList, seen: Callable[[torch.Tensor], None]) -> list[Any]:
+    """A pre-hook on the first decoder layer this rank runs, handing over its ``positions`` (their last
+    dimension is how many tokens the forward runs, padding included: what a sharded residual stream was
+    split from). No hook if the layer takes no ``positions`` (the step's scheduled count is used instead)."""
     for layer in layers:
         if is_missing(layer):
             continue
@@ -111,7 +114,7 @@ def install_positions_probe(layers: torch.nn.ModuleList, seen: Callable[[int], N
         def pre(_mod, args, kwargs, pi=pi):
             p = kwargs.get("positions", args[pi] if pi < len(args) else None)
             if isinstance(p, torch.Tensor):
-                seen(int(p.shape[-1]))
+                seen(p)
 
         return [layer.register_forward_pre_hook(pre, with_kwargs=True)]
     return []

@@ -144,17 +144,30 @@ class RunnerOrder:
         return ids
 
 
-def check_eager(vllm_config: Any) -> None:
-    """Hooks on decoder layers run only when the model executes eagerly."""
+def compiled(vllm_config: Any) -> bool:
+    """Whether vLLM will run the model through torch.compile (the hooks are then traced into its graph and
+    call hscapture's ops, ``traced.py``). Refuses what is not verified: CUDA graphs (a replayed graph would
+    not call the ops, so prompt tokens would be silently lost) and torch.compile on CUDA (not yet run there)."""
     cc = getattr(vllm_config, "compilation_config", None)
     mode = getattr(cc, "mode", None)
     if mode is None:
         mode = getattr(cc, "level", 0)
-    if int(mode or 0) != 0:
+    mode = int(mode or 0)
+    if mode == 0:
+        return False
+    cudagraphs = getattr(cc, "cudagraph_mode", None)
+    device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cuda"))
+    if cudagraphs is not None and getattr(cudagraphs, "name", str(cudagraphs)) != "NONE":
         raise CompatibilityError(
-            f"hscapture captures through hooks on decoder layers, which torch.compile would trace past (compilation "
-            f"mode {int(mode)}); start vLLM with enforce_eager=True (`--enforce-eager`)"
+            f"hscapture cannot capture inside CUDA graphs (compilation mode {mode}, cudagraph_mode {cudagraphs}): a "
+            "replayed graph skips the capture; start vLLM with enforce_eager=True (`--enforce-eager`)"
         )
+    if device != "cpu":
+        raise CompatibilityError(
+            f"capturing under torch.compile (compilation mode {mode}) is verified on vLLM's CPU platform only, not "
+            f"yet on {device}; start vLLM with enforce_eager=True (`--enforce-eager`)"
+        )
+    return True
 
 
 class TPGroup:

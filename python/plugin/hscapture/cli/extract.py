@@ -57,6 +57,7 @@ class ExtractOptions:
     input_path: str = ""
     window: int = 1024
     llm_kwargs: dict = field(default_factory=dict)
+    compile: bool = False  # vLLM's torch.compile on (enforce_eager off); see vllm_compat.compiled
 
 
 def prepare_out(out: Path, overwrite: bool, resume: bool = False, fmt: str = "hscapture") -> None:
@@ -241,7 +242,7 @@ def _run_extract(opts: ExtractOptions) -> ExtractReport:
         tensor_parallel_size=opts.tp,
         pipeline_parallel_size=opts.pp,
         dtype=opts.dtype,
-        enforce_eager=True,
+        enforce_eager=not opts.compile,
         enable_prefix_caching=False,
         skip_tokenizer_init=not has_tokenizer(opts.model),
         max_model_len=opts.max_model_len or max(longest + 1, 32),
@@ -363,6 +364,7 @@ def _finish(out: Path, opts: ExtractOptions, prompts, rows: list[int], done: dic
         dtype=manifest["dtype"],
         shims=shims,
         device_path=(w or {}).get("device_path", "none"),
+        traced_calls=(w or {}).get("traced_calls"),
         resumed=len(done),
         format=opts.format,
         shard=opts.shard,

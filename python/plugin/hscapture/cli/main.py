@@ -58,6 +58,9 @@ def parser() -> argparse.ArgumentParser:
                     help="continue an earlier run in --out: its finished samples are kept, the rest captured")
     ex.add_argument("--writer-threads", type=int, default=4)
     ex.add_argument("--no-fsync", action="store_true", help="do not fsync files before declaring them done")
+    ex.add_argument("--compile", action="store_true",
+                    help="let vLLM run the model through torch.compile (the capture is traced into its graph); verified on "
+                         "vLLM's CPU platform, refused on CUDA and with CUDA graphs until verified there")
 
     de = sub.add_parser("demo", help="run the whole path on a tiny DeepSeek-V3-shaped model and check it against HF")
     de.add_argument("--out", default="hscapture-demo", help="output directory (replaced)")
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 overwrite=args.overwrite, resume=args.resume, writer_threads=args.writer_threads,
                 durable=not args.no_fsync, progress=tty, log_every=0.0 if tty else args.log_every, format=args.format,
-                shard=args.shard, executor=args.executor, input_path=str(Path(args.input).resolve())))
+                shard=args.shard, executor=args.executor, input_path=str(Path(args.input).resolve()), compile=args.compile))
             for line in rep.lines():
                 print(line)
             return 0

@@ -101,6 +101,7 @@ class ExtractReport:
     dtype: str
     shims: list[str]
     device_path: str = "none"
+    traced_calls: int | None = None  # under torch.compile: how often the compiled graph called hscapture's op
     resumed: int = 0
     format: str = "hscapture"
     shard: str | None = None
@@ -125,6 +126,8 @@ class ExtractReport:
             + (f"; {self.steady_tokens_per_s:,.0f} tokens/s after the first forward)" if self.steady_tokens_per_s == self.steady_tokens_per_s else ")"),
             f"layers      {self.layer_ids} ({self.convention} convention), {self.dtype}",
         ]
+        if self.traced_calls is not None:
+            out.append(f"compiled    torch.compile on; the graph called hscapture::tap {self.traced_calls} times")
         if self.shard:
             out.append(f"shard       {self.shard} (global row indices; combine with hscapture merge)")
         out += [f"checks      {c}" for c in self.checks]

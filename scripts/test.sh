@@ -9,8 +9,8 @@ NEWEST_VENV=${HSCAPTURE_VENV_NEWEST:-.venv-newest}
 echo "[test] cargo test"
 cargo test --workspace -q
 echo "[test] pytest: unit, integration on $("$VENV/bin/python" -c 'import vllm; print("vLLM", vllm.__version__)'); GPU tests skip without CUDA"
-"$VENV/bin/python" -m pytest tests -q "$@"
+"$VENV/bin/python" -m pytest tests -q --durations=12 "$@"
 if [ "${HSCAPTURE_NEWEST:-1}" != "0" ]; then
   echo "[test] pytest: integration on $("$NEWEST_VENV/bin/python" -c 'import vllm; print("vLLM", vllm.__version__)') (the newest CPU build)"
-  "$NEWEST_VENV/bin/python" -m pytest tests/integration -q "$@"
+  "$NEWEST_VENV/bin/python" -m pytest tests/integration -q --durations=12 "$@"
 fi

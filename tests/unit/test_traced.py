@@ -38,7 +38,7 @@ class Positioned(torch.nn.Module):
         return h + r
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager"])  # inductor: the integration test (vLLM compiles with it)
 def test_hooks_traced_into_a_full_graph_see_every_calls_tensors(backend):
     seen, counts = [], []
     m, owner = _traced_model(seen, counts)

@@ -16,12 +16,12 @@ from hscapture.vllm_compat import compiled
 
 def _traced_model(seen: list, counts: list):
     m = Model(3)
-    owner = traced.register(lambda slot, h, r: seen.append((slot, (h if r is None else h + r).clone())),
-                            lambda p: counts.append(int(p.shape[-1])))
     install(m.model.layers, [("layer_output", 0), ("embeddings", 0), ("layer_output", 2)],
-            lambda slot, h, r, owner=owner: traced.tap(h, r, slot, owner))
-    install_positions_probe(m.model.layers, lambda p, owner=owner: traced.positions(p, owner))
-    return m, owner
+            lambda slot, h, r: traced.tap(h, r, slot))
+    install_positions_probe(m.model.layers, traced.positions)
+    traced.activate(lambda slot, h, r: seen.append((slot, (h if r is None else h + r).clone())),
+                    lambda p: counts.append(int(p.shape[-1])))
+    return m
 
 
 class Positioned(torch.nn.Module):
@@ -41,7 +41,7 @@ class Positioned(torch.nn.Module):
 @pytest.mark.parametrize("backend", ["aot_eager"])  # inductor: the integration test (vLLM compiles with it)
 def test_hooks_traced_into_a_full_graph_see_every_calls_tensors(backend):
     seen, counts = [], []
-    m, owner = _traced_model(seen, counts)
+    m = _traced_model(seen, counts)
     fn = torch.compile(Positioned(m), fullgraph=True, backend=backend)  # a graph break would raise
     for scale in (1.0, 2.0):
         x = torch.arange(12, dtype=torch.float32).reshape(4, 3) * scale
@@ -52,16 +52,21 @@ def test_hooks_traced_into_a_full_graph_see_every_calls_tensors(backend):
     torch.testing.assert_close(seen[3][1], 2 * x1)  # the second call's tensors, not the first's
     torch.testing.assert_close(seen[1][1], torch.zeros(4, 3) + x1)  # layer 0's output: 0 + residual x
     assert counts == [4, 4]
-    assert traced.calls(owner) == 6
-    traced.unregister(owner)
-    fn(x1, torch.arange(4))  # the graph still calls the ops; they do nothing now
-    assert len(seen) == 6 and traced.calls(owner) == 9
+    assert traced.calls() == 6
+    with pytest.raises(CompatibilityError, match="already active"):
+        traced.activate(print, print)
+    traced.deactivate()
+    fn(x1, torch.arange(4))  # the graph still calls the ops; with no capture active they do nothing
+    assert len(seen) == 6 and traced.calls() == 6
 
 
-def test_an_unknown_owner_is_refused_with_what_to_do():
-    traced.ensure_ops()
-    with pytest.raises(CompatibilityError, match="no longer registered"):
-        torch.ops.hscapture.tap(torch.zeros(2, 2), None, 0, 10**9)
+def test_speculators_rpc_setup_is_refused_once_the_model_is_compiled():
+    from hscapture.rpc import HiddenStatesRPC
+
+    worker = HiddenStatesRPC()
+    worker.vllm_config = _cfg(2)
+    with pytest.raises(CompatibilityError, match="compiled the model"):
+        worker._setup_hidden_states_capture([1, 2])
 
 
 def _cfg(mode, cudagraphs="NONE", device="cpu"):

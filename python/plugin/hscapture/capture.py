@@ -86,9 +86,10 @@ class WorkerCapture:
         if compiled:  # the hooks are traced into vLLM's graph: they call hscapture's ops (traced.py)
             from . import traced
 
-            self._owner = owner = traced.register(self._on_capture, self._on_positions)
-            on_capture = lambda slot, h, r, owner=owner: traced.tap(h, r, slot, owner)  # noqa: E731
-            on_positions = lambda p, owner=owner: traced.positions(p, owner)  # noqa: E731
+            traced.activate(self._on_capture, self._on_positions)
+            self._traced = True
+            on_capture = lambda slot, h, r: traced.tap(h, r, slot)  # noqa: E731
+            on_positions = traced.positions
         self.handles = hooks.install(layers, points, on_capture)
         if tp.size > 1:  # a sharded residual stream exists only across TP ranks
             self.handles += hooks.install_positions_probe(layers, on_positions)
@@ -137,7 +138,7 @@ class WorkerCapture:
         self._scheduled: dict[str, int] = {}
         self.global_rank = global_rank
         self.handles: list[Any] = []
-        self._owner: int | None = None  # the number the compiled graph's ops carry (traced.py)
+        self._traced = False  # the hooks call hscapture's ops inside vLLM's compiled graph (traced.py)
         self.device_path = "none"
         self._active = False
         self._total = 0
@@ -316,11 +317,11 @@ class WorkerCapture:
         for h in self.handles:
             h.remove()
         self.handles = []
-        if self._owner is not None:
+        if self._traced:
             from . import traced
 
-            traced.unregister(self._owner)
-            self._owner = None
+            traced.deactivate()
+            self._traced = False
         self.session.finish()
 
     def abandon(self) -> None:
@@ -341,10 +342,10 @@ class WorkerCapture:
             raise
         records = list(self.session.finish())
         traced_calls = None
-        if self._owner is not None:
+        if self._traced:
             from . import traced
 
-            traced_calls = traced.calls(self._owner)
+            traced_calls = traced.calls()
         return {
             "traced_calls": traced_calls,
             "tp_rank": self.tp.rank,

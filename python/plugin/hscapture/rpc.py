@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import AttributionError, ConfigError
+from . import vllm_compat
+from .errors import AttributionError, CompatibilityError, ConfigError
 
 _HOW = "call _setup_hidden_states_capture(layer_ids) first"
 
@@ -38,6 +39,12 @@ class HiddenStatesRPC:
 
         if not isinstance(layer_ids, (list, tuple)):
             raise ConfigError(f"_setup_hidden_states_capture: expected a list of layer ids, found {type(layer_ids).__name__}")
+        if vllm_compat.compiled(getattr(self, "vllm_config", None)):
+            raise CompatibilityError(
+                "_setup_hidden_states_capture: vLLM compiled the model (torch.compile) when it started, before this "
+                "call could hook its layers, and a compiled graph never runs hooks added later; start vLLM with "
+                "enforce_eager=True, or pass the layers at start-up (additional_config={'hscapture': {...}})"
+            )
         cfg = CaptureConfig(layers=tuple(int(i) for i in layer_ids), convention="after", out=None)
         old = getattr(self, "_hscapture", None)
         if old is not None:

@@ -3,46 +3,49 @@
 Dynamo traces a decoder layer's forward hooks into the compiled graph (hooks registered before the first
 forward, which is where vLLM compiles). A hook whose body calls hscapture's session would break the graph
 (vLLM compiles with ``fullgraph``) or be traced once with the warm-up's tensors. So when vLLM compiles, the
-hooks call ``hscapture::tap`` (a slot's hidden states and residual) and ``hscapture::positions`` (how many
-tokens the forward runs): opaque to the compiler, run at every forward with that forward's tensors, and
-marked as having side effects so that dead-code elimination keeps them although they return nothing.
+hooks call ``hscapture::tap`` (a slot's hidden states and residual) and ``hscapture::positions`` (the
+forward's positions, whose length a sharded residual stream was split from): opaque to the compiler, run at
+every forward with that forward's tensors, and marked as having side effects, because AOTAutograd and
+inductor remove an op that returns nothing otherwise.
 
-Each op carries an ``owner`` number baked into the graph: the capture of this worker process that
-registered it (``register``); the op's implementation calls that capture's Python callbacks with the tensors, exactly as
-the eager hooks do.
+Nothing specific to a process is baked into the graph (only the slot numbers, which follow from the capture
+configuration): vLLM may load a compiled graph from its cache in a later process, keyed by a hash of the
+configuration, which includes hscapture's ``additional_config``. The ops call the one capture *active* in
+this process; a graph that outlives its capture (the hooks cannot be taken out of it) then does nothing.
 """
 
 from __future__ import annotations
 
-import itertools
 from typing import Callable, Optional
 
 import torch
 
 from .errors import CompatibilityError
 
-_OWNERS: dict[int, tuple[Callable, Callable]] = {}
-_CALLS: dict[int, int] = {}  # how often the compiled graph called `tap` for each owner (the report shows it)
-_NEXT = itertools.count(1)
-_REGISTERED = False
+_ACTIVE: tuple[Callable, Callable] | None = None
+_CALLS = 0  # how often a compiled graph called `tap` for the active capture (its report shows it)
+_DEFINED = False
 
 
 def _define() -> None:
     @torch.library.custom_op("hscapture::tap", mutates_args=())
-    def tap(hidden: torch.Tensor, residual: Optional[torch.Tensor], slot: int, owner: int) -> None:
-        _CALLS[owner] = _CALLS.get(owner, 0) + 1
-        _owner(owner)[0](slot, hidden, residual)
+    def tap(hidden: torch.Tensor, residual: Optional[torch.Tensor], slot: int) -> None:
+        global _CALLS
+        if _ACTIVE is not None:
+            _CALLS += 1
+            _ACTIVE[0](slot, hidden, residual)
 
     @tap.register_fake
-    def _tap_fake(hidden, residual, slot, owner):  # noqa: ARG001 - the signature is the op's
+    def _tap_fake(hidden, residual, slot):  # noqa: ARG001 - the signature is the op's
         return None
 
     @torch.library.custom_op("hscapture::positions", mutates_args=())
-    def positions(positions: torch.Tensor, owner: int) -> None:
-        _owner(owner)[1](positions)
+    def positions(positions: torch.Tensor) -> None:
+        if _ACTIVE is not None:
+            _ACTIVE[1](positions)
 
     @positions.register_fake
-    def _positions_fake(positions, owner):  # noqa: ARG001
+    def _positions_fake(positions):  # noqa: ARG001
         return None
 
     for op in (torch.ops.hscapture.tap.default, torch.ops.hscapture.positions.default):
@@ -51,8 +54,8 @@ def _define() -> None:
 
 def ensure_ops() -> None:
     """Defines the ops once per process; a torch without what they need is refused here, at start-up."""
-    global _REGISTERED
-    if _REGISTERED:
+    global _DEFINED
+    if _DEFINED:
         return
     missing = [name for name, ok in (("torch.library.custom_op", hasattr(torch.library, "custom_op")),
                                      ("torch.fx.node.has_side_effect", hasattr(torch.fx.node, "has_side_effect"))) if not ok]
@@ -62,53 +65,37 @@ def ensure_ops() -> None:
             "start vLLM with enforce_eager=True (`--enforce-eager`)"
         )
     _define()
-    _REGISTERED = True
+    _DEFINED = True
 
 
-def _owner(owner: int) -> tuple[Callable, Callable]:
-    found = _OWNERS.get(owner)
-    if found is None:
-        raise CompatibilityError(
-            f"a compiled graph called hscapture's op for capture #{owner}, which is no longer registered in this "
-            f"process (registered: {sorted(_OWNERS) or 'none'}); the model was compiled by another capture session — "
-            "restart the engine"
-        )
-    return found
-
-
-def register(capture: Callable, positions: Callable) -> int:
-    """A number for the graph to carry; the ops call ``capture(slot, hidden, residual)`` and
-    ``positions(positions_tensor)``."""
+def activate(capture: Callable, positions: Callable) -> None:
+    """From now on the ops call ``capture(slot, hidden, residual)`` and ``positions(positions_tensor)``."""
+    global _ACTIVE, _CALLS
     ensure_ops()
-    owner = next(_NEXT)
-    _OWNERS[owner] = (capture, positions)
-    return owner
+    if _ACTIVE is not None:
+        raise CompatibilityError(
+            "a capture under torch.compile is already active in this process (one vLLM engine per worker process "
+            "captures at a time); finish it (`hscapture_finish`) before starting another, or run the engines in "
+            "separate processes"
+        )
+    _ACTIVE, _CALLS = (capture, positions), 0
 
 
-def _nothing(*_args) -> None:
-    return None
+def deactivate() -> None:
+    """The capture is over; compiled graphs still call the ops, which now do nothing."""
+    global _ACTIVE
+    _ACTIVE = None
 
 
-def unregister(owner: int) -> None:
-    """The capture is over; the compiled graph still calls the ops (the hooks cannot be taken out of it),
-    so they now do nothing."""
-    if owner in _OWNERS:
-        _OWNERS[owner] = (_nothing, _nothing)
+def calls() -> int:
+    """How many times a compiled graph has called ``hscapture::tap`` for the active (or last) capture,
+    warm-up forwards included."""
+    return _CALLS
 
 
-def calls(owner: int) -> int:
-    """How many times a compiled graph has called ``hscapture::tap`` for this capture (warm-up included)."""
-    return _CALLS.get(owner, 0)
+def tap(hidden: torch.Tensor, residual: torch.Tensor | None, slot: int) -> None:
+    torch.ops.hscapture.tap(hidden, residual, slot)
 
 
-def calls(owner: int) -> int:
-    """How many times a compiled graph has called ``hscapture::tap`` for this capture (warm-up included)."""
-    return _CALLS.get(owner, 0)
-
-
-def tap(hidden: torch.Tensor, residual: torch.Tensor | None, slot: int, owner: int) -> None:
-    torch.ops.hscapture.tap(hidden, residual, slot, owner)
-
-
-def positions(p: torch.Tensor, owner: int) -> None:
-    torch.ops.hscapture.positions(p, owner)
+def positions(p: torch.Tensor) -> None:
+    torch.ops.hscapture.positions(p)

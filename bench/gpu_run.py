@@ -24,6 +24,8 @@ if __name__ == "__main__":
     kw = dict(model=model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
               max_model_len=length + 16, max_num_seqs=batch, max_num_batched_tokens=batch * length,
               gpu_memory_utilization=0.85, enable_prefix_caching=False, seed=0, tensor_parallel_size=tp)
+    if os.environ.get("HSBENCH_ASYNC") in ("0", "1"):  # vLLM's asynchronous scheduling forced off/on (every mode)
+        kw["async_scheduling"] = os.environ["HSBENCH_ASYNC"] == "1"
     if mode == "hscapture_inline":  # the scatter on the worker's thread, as before the assembler thread
         os.environ["HSCAPTURE_ASSEMBLY"] = "inline"
     if mode.startswith("hscapture"):

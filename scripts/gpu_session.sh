@@ -8,7 +8,8 @@
 #
 # WHAT (default "tests,bench"): tests = tests/gpu; bench = bench/gpu.py for the Llama-8B and DeepSeek-V3
 # shapes with modes plain,hscapture,hscapture_inline,vllm; durable = the same with hscapture_durable;
-# MODELS, MODES and PROMPTS (environment) override the bench part's defaults;
+# MODELS, MODES and PROMPTS (environment) override the bench part's defaults; HSBENCH_ASYNC=0|1 forces
+# vLLM's asynchronous scheduling off/on in every mode (does hscapture's per-step wait cost the overlap?);
 # tp2 (nvidia-h200-x2) = the TP=2 benchmark and the DeepSeek-V3 TP=2 vs TP=1 check in float32.
 # Logs go to $OUT (they come back with the call).
 set -euo pipefail

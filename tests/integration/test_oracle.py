@@ -45,5 +45,6 @@ def test_compiled_matches_transformers(tmp_path, tiny_model):
     model = tiny_model("llama")
     ps = prompts(seed=5)
     rep, samples = extract(tmp_path, model, ps, tp=1, convention="before", layers=[0, 2, 4], compile=True)
-    assert rep.traced_calls and rep.traced_calls >= 3 * 2, f"the compiled graph did not call hscapture's op: {rep.traced_calls}"
+    # every captured step: one tap per slot from the compiled graph (warm-up forwards are not counted)
+    assert rep.traced_calls and rep.traced_calls % 3 == 0, f"taps of the compiled graph in captured steps: {rep.traced_calls}"
     assert_matches_reference(tmp_path, model, ps, rep, samples, [0, 2, 4], "before")

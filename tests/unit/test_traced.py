@@ -14,13 +14,23 @@ from hscapture.hooks import install, install_positions_probe
 from hscapture.vllm_compat import compiled
 
 
-def _traced_model(seen: list, counts: list):
+POINTS = [("layer_output", 0), ("embeddings", 0), ("layer_output", 2)]
+
+
+@pytest.fixture
+def active():
+    """Activates a capture for the test; whatever happens, none is active after it."""
+    yield traced.activate
+    traced.deactivate()
+
+
+def _traced_model(seen: list, counts: list, activate, points=POINTS):
     m = Model(3)
-    install(m.model.layers, [("layer_output", 0), ("embeddings", 0), ("layer_output", 2)],
-            lambda slot, h, r: traced.tap(h, r, slot))
+    codes = tuple(traced.point_code(kind, k) for kind, k in points)
+    install(m.model.layers, points, lambda slot, h, r: traced.tap(h, r, slot, codes[slot]))
     install_positions_probe(m.model.layers, traced.positions)
-    traced.activate(lambda slot, h, r: seen.append((slot, (h if r is None else h + r).clone())),
-                    lambda p: counts.append(int(p.shape[-1])))
+    activate(lambda slot, point, h, r: seen.append((slot, point, (h if r is None else h + r).clone())),
+             lambda p: counts.append(int(p.shape[-1])))
     return m
 
 
@@ -39,25 +49,53 @@ class Positioned(torch.nn.Module):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager"])  # inductor: the integration test (vLLM compiles with it)
-def test_hooks_traced_into_a_full_graph_see_every_calls_tensors(backend):
+def test_hooks_traced_into_a_full_graph_see_every_calls_tensors(backend, active):
     seen, counts = [], []
-    m = _traced_model(seen, counts)
+    m = _traced_model(seen, counts, active)
     fn = torch.compile(Positioned(m), fullgraph=True, backend=backend)  # a graph break would raise
     for scale in (1.0, 2.0):
         x = torch.arange(12, dtype=torch.float32).reshape(4, 3) * scale
         fn(x, torch.arange(4))
-    assert [s for s, _ in seen] == [1, 0, 2, 1, 0, 2]  # the embeddings slot is read before layer 0 runs
+    assert [(s, p) for s, p, _ in seen] == [(1, -1), (0, 0), (2, 2)] * 2  # the embeddings slot is read before layer 0 runs
     x1 = torch.arange(12, dtype=torch.float32).reshape(4, 3)
-    torch.testing.assert_close(seen[0][1], x1)  # embeddings: the input, no residual yet
-    torch.testing.assert_close(seen[3][1], 2 * x1)  # the second call's tensors, not the first's
-    torch.testing.assert_close(seen[1][1], torch.zeros(4, 3) + x1)  # layer 0's output: 0 + residual x
+    torch.testing.assert_close(seen[0][2], x1)  # embeddings: the input, no residual yet
+    torch.testing.assert_close(seen[3][2], 2 * x1)  # the second call's tensors, not the first's
+    torch.testing.assert_close(seen[1][2], torch.zeros(4, 3) + x1)  # layer 0's output: 0 + residual x
     assert counts == [4, 4]
-    assert traced.calls() == 6
-    with pytest.raises(CompatibilityError, match="already active"):
+    with pytest.raises(CompatibilityError, match="still active"):
         traced.activate(print, print)
     traced.deactivate()
     fn(x1, torch.arange(4))  # the graph still calls the ops; with no capture active they do nothing
-    assert len(seen) == 6 and traced.calls() == 6
+    assert len(seen) == 6
+
+
+def test_a_graph_built_for_other_capture_points_is_refused():
+    """vLLM's compile cache can hand a capture a graph traced with another capture's hooks: the taps carry
+    their capture points, and a capture whose settings differ refuses them (a layer's states never land
+    under another layer's id)."""
+    from test_rpc import Worker
+
+    cap = Worker(layers=(0, 2))._hscapture
+    cap._point_codes = tuple(traced.point_code(kind, k) for kind, k in cap.capture_points())
+    with pytest.raises(CompatibilityError, match="taps the output of decoder layer 1 for slot 0, but this capture reads "
+                                                  "the output of decoder layer 0"):
+        cap._on_traced(0, traced.point_code("layer_output", 1), torch.zeros(2, 4), None)
+    cap._on_traced(0, traced.point_code("layer_output", 0), torch.zeros(2, 4), None)  # its own point: fine (no step)
+
+
+def test_finish_deactivates_and_reports_the_taps_of_captured_steps():
+    """After `finish` the compiled graph's taps do nothing, so another capture in the process may start."""
+    from test_rpc import Worker
+
+    cap = Worker(layers=(0, 2))._hscapture
+    traced.activate(cap._on_traced, cap._on_positions)
+    cap._traced, cap._traced_taps = True, 7
+    cap.out_dtype, cap.hidden_size, cap.num_hidden_layers = "float32", 8, 4
+    try:
+        assert cap.finish()["traced_calls"] == 7
+        traced.activate(print, print)  # not refused: the finished capture is no longer active
+    finally:
+        traced.deactivate()
 
 
 def test_speculators_rpc_setup_is_refused_once_the_model_is_compiled():

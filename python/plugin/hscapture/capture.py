@@ -82,20 +82,58 @@ class WorkerCapture:
 
             self.link = StageLink(session, pp_size, pp_rank, tp.rank, local, len(points))
         self.device_path = "host" if pp_size > 1 and torch.cuda.is_available() else self._enable_device(vc)
-        on_capture, on_positions = self._on_capture, self._on_positions
-        if compiled:  # the hooks are traced into vLLM's graph: they call hscapture's ops (traced.py)
-            from . import traced
-
-            traced.activate(self._on_capture, self._on_positions)
-            self._traced = True
-            on_capture = lambda slot, h, r: traced.tap(h, r, slot)  # noqa: E731
-            on_positions = traced.positions
-        self.handles = hooks.install(layers, points, on_capture)
-        if tp.size > 1:  # a sharded residual stream exists only across TP ranks
-            self.handles += hooks.install_positions_probe(layers, on_positions)
+        self._install_hooks(vc, layers, points, compiled)
         log.info("hscapture: capturing %s ids %s at %s (%d hooks%s), tp rank %d/%d, pp rank %d/%d, writer=%s",
                  cfg.convention, self.layer_ids, name, len(self.handles), ", traced into torch.compile" if compiled else "",
                  self.tp.rank, self.tp.size, pp_rank, pp_size, self.writer_rank)
+
+    def _install_hooks(self, vc: Any, layers: Any, points: list, compiled: bool) -> None:
+        """Eager: the hooks call this capture. Compiled: they call hscapture's ops (traced.py), each tap
+        carrying its slot's capture point so that a graph built for other points (vLLM's compile cache)
+        is refused instead of filing one layer's states under another's id. On failure nothing stays
+        installed or active."""
+        try:
+            if not compiled:
+                self.handles = hooks.install(layers, points, self._on_capture)
+                if self.tp.size > 1:  # a sharded residual stream exists only across TP ranks
+                    self.handles += hooks.install_positions_probe(layers, self._on_positions)
+                return
+            from . import traced
+
+            traced.ensure_ops()
+            codes = tuple(traced.point_code(kind, k) for kind, k in points)
+            self._point_codes = codes
+            if isinstance(getattr(vc, "additional_config", None), dict):
+                # vLLM keys its compile cache on a hash of the config; settings given by environment
+                # variables alone would not be in it
+                vc.additional_config["hscapture_traced_points"] = list(codes)
+            self.handles = hooks.install(layers, points, lambda slot, h, r, codes=codes: traced.tap(h, r, slot, codes[slot]))
+            if self.tp.size > 1:
+                self.handles += hooks.install_positions_probe(layers, traced.positions)
+            traced.activate(self._on_traced, self._on_positions)
+            self._traced = True
+        except BaseException:
+            for h in self.handles:
+                h.remove()
+            self.handles = []
+            self.session.finish()
+            raise
+
+    def _on_traced(self, slot: int, code: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        """A tap of the compiled graph: its capture point must be the one this slot was configured with."""
+        if slot >= len(self._point_codes) or code != self._point_codes[slot]:
+            from . import traced
+
+            raise CompatibilityError(
+                f"the compiled graph taps {traced.describe(code)} for slot {slot}, but this capture reads "
+                f"{traced.describe(self._point_codes[slot]) if slot < len(self._point_codes) else 'no such slot'} "
+                f"there (layer ids {self.layer_ids}, {self.cfg.convention} convention): vLLM loaded a torch.compile "
+                "artifact cached by a run with other capture settings; set VLLM_DISABLE_COMPILE_CACHE=1, or give the "
+                "settings in additional_config"
+            )
+        if self._active:
+            self._traced_taps += 1
+        self._on_capture(slot, hidden, residual)
 
     def _enable_device(self, vc: Any) -> str:
         """The capture path for CUDA tensors: ``device`` (kernel + arena + async copies), ``host`` (copies
@@ -139,6 +177,8 @@ class WorkerCapture:
         self.global_rank = global_rank
         self.handles: list[Any] = []
         self._traced = False  # the hooks call hscapture's ops inside vLLM's compiled graph (traced.py)
+        self._point_codes: tuple[int, ...] = ()
+        self._traced_taps = 0  # taps of the compiled graph during captured steps
         self.device_path = "none"
         self._active = False
         self._total = 0
@@ -317,12 +357,15 @@ class WorkerCapture:
         for h in self.handles:
             h.remove()
         self.handles = []
+        self._deactivate()
+        self.session.finish()
+
+    def _deactivate(self) -> None:
         if self._traced:
             from . import traced
 
             traced.deactivate()
             self._traced = False
-        self.session.finish()
 
     def abandon(self) -> None:
         self._active = False
@@ -335,17 +378,14 @@ class WorkerCapture:
         return list(self.session.drain())
 
     def finish(self) -> dict:
+        traced_calls = self._traced_taps if self._traced else None
+        self._deactivate()  # the compiled graph's taps do nothing from here on
         try:
             self.flush()
         except HscaptureError:
             self.session.finish()  # the writer still writes what it holds and stops; then the error
             raise
         records = list(self.session.finish())
-        traced_calls = None
-        if self._traced:
-            from . import traced
-
-            traced_calls = traced.calls()
         return {
             "traced_calls": traced_calls,
             "tp_rank": self.tp.rank,

@@ -42,8 +42,8 @@ class HiddenStatesRPC:
         if vllm_compat.compiled(getattr(self, "vllm_config", None)):
             raise CompatibilityError(
                 "_setup_hidden_states_capture: vLLM compiled the model (torch.compile) when it started, before this "
-                "call could hook its layers, and a compiled graph never runs hooks added later; start vLLM with "
-                "enforce_eager=True, or pass the layers at start-up (additional_config={'hscapture': {...}})"
+                "call could hook its layers, and a compiled graph never runs hooks added later; expected an eager "
+                "engine: start vLLM with enforce_eager=True"
             )
         cfg = CaptureConfig(layers=tuple(int(i) for i in layer_ids), convention="after", out=None)
         old = getattr(self, "_hscapture", None)

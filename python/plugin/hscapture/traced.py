@@ -8,10 +8,11 @@ forward's positions, whose length a sharded residual stream was split from): opa
 every forward with that forward's tensors, and marked as having side effects, because AOTAutograd and
 inductor remove an op that returns nothing otherwise.
 
-Nothing specific to a process is baked into the graph (only the slot numbers, which follow from the capture
-configuration): vLLM may load a compiled graph from its cache in a later process, keyed by a hash of the
-configuration, which includes hscapture's ``additional_config``. The ops call the one capture *active* in
-this process; a graph that outlives its capture (the hooks cannot be taken out of it) then does nothing.
+Nothing specific to a process is baked into the graph, only each tap's slot and capture point (which follow
+from the capture settings): vLLM may load a compiled graph from its cache in a later process, keyed by a hash
+of the configuration. The ops call the one capture *active* in this process, which checks each tap's point
+against its own settings (a graph cached by a run with other settings is refused, not trusted); a graph that
+outlives its capture (the hooks cannot be taken out of it) then does nothing.
 """
 
 from __future__ import annotations
@@ -23,20 +24,27 @@ import torch
 from .errors import CompatibilityError
 
 _ACTIVE: tuple[Callable, Callable] | None = None
-_CALLS = 0  # how often a compiled graph called `tap` for the active capture (its report shows it)
 _DEFINED = False
+
+
+def point_code(kind: str, k: int) -> int:
+    """A capture point as the number a tap carries: ``k`` for the output of decoder layer ``k``,
+    ``-(k + 1)`` for the input of layer ``k`` (the embeddings, for ``k`` = 0)."""
+    return k if kind == "layer_output" else -(k + 1)
+
+
+def describe(code: int) -> str:
+    return f"the output of decoder layer {code}" if code >= 0 else f"the input of decoder layer {-code - 1}"
 
 
 def _define() -> None:
     @torch.library.custom_op("hscapture::tap", mutates_args=())
-    def tap(hidden: torch.Tensor, residual: Optional[torch.Tensor], slot: int) -> None:
-        global _CALLS
+    def tap(hidden: torch.Tensor, residual: Optional[torch.Tensor], slot: int, point: int) -> None:
         if _ACTIVE is not None:
-            _CALLS += 1
-            _ACTIVE[0](slot, hidden, residual)
+            _ACTIVE[0](slot, point, hidden, residual)
 
     @tap.register_fake
-    def _tap_fake(hidden, residual, slot):  # noqa: ARG001 - the signature is the op's
+    def _tap_fake(hidden, residual, slot, point):  # noqa: ARG001 - the signature is the op's
         return None
 
     @torch.library.custom_op("hscapture::positions", mutates_args=())
@@ -69,16 +77,16 @@ def ensure_ops() -> None:
 
 
 def activate(capture: Callable, positions: Callable) -> None:
-    """From now on the ops call ``capture(slot, hidden, residual)`` and ``positions(positions_tensor)``."""
-    global _ACTIVE, _CALLS
+    """From now on the ops call ``capture(slot, point, hidden, residual)`` and ``positions(positions_tensor)``."""
+    global _ACTIVE
     ensure_ops()
     if _ACTIVE is not None:
         raise CompatibilityError(
-            "a capture under torch.compile is already active in this process (one vLLM engine per worker process "
-            "captures at a time); finish it (`hscapture_finish`) before starting another, or run the engines in "
-            "separate processes"
+            "expected no other capture under torch.compile in this process, found one still active (an engine in this "
+            "process that has not finished: its `hscapture_finish` was not called); finish it first, or run each "
+            "capturing engine in its own process"
         )
-    _ACTIVE, _CALLS = (capture, positions), 0
+    _ACTIVE = (capture, positions)
 
 
 def deactivate() -> None:
@@ -87,14 +95,8 @@ def deactivate() -> None:
     _ACTIVE = None
 
 
-def calls() -> int:
-    """How many times a compiled graph has called ``hscapture::tap`` for the active (or last) capture,
-    warm-up forwards included."""
-    return _CALLS
-
-
-def tap(hidden: torch.Tensor, residual: torch.Tensor | None, slot: int) -> None:
-    torch.ops.hscapture.tap(hidden, residual, slot)
+def tap(hidden: torch.Tensor, residual: torch.Tensor | None, slot: int, point: int) -> None:
+    torch.ops.hscapture.tap(hidden, residual, slot, point)
 
 
 def positions(p: torch.Tensor) -> None:

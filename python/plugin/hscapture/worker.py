@@ -34,6 +34,9 @@ class CaptureWorker(HiddenStatesRPC, _Base):  # type: ignore[misc, valid-type]
         try:
             cfg = from_sources(additional)
             if cfg is not None:
+                if self._hscapture is not None:  # the model was loaded again: the old hooks go with the old model
+                    self._hscapture.close()
+                    self._hscapture = None
                 self._hscapture = self.capture_cls(self, cfg)
         except HscaptureError as e:
             section = (additional or {}).get("hscapture") if isinstance(additional, dict) else None

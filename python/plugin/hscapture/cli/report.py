@@ -101,7 +101,7 @@ class ExtractReport:
     dtype: str
     shims: list[str]
     device_path: str = "none"
-    traced_calls: int | None = None  # under torch.compile: how often the compiled graph called hscapture's op
+    traced_calls: int | None = None  # under torch.compile: taps of the compiled graph during captured steps
     resumed: int = 0
     format: str = "hscapture"
     shard: str | None = None
@@ -127,7 +127,7 @@ class ExtractReport:
             f"layers      {self.layer_ids} ({self.convention} convention), {self.dtype}",
         ]
         if self.traced_calls is not None:
-            out.append(f"compiled    torch.compile on; the graph called hscapture::tap {self.traced_calls} times")
+            out.append(f"compiled    torch.compile on; the compiled graph's taps in captured steps: {self.traced_calls}")
         if self.shard:
             out.append(f"shard       {self.shard} (global row indices; combine with hscapture merge)")
         out += [f"checks      {c}" for c in self.checks]

@@ -124,13 +124,15 @@ class WorkerCapture:
         if slot >= len(self._point_codes) or code != self._point_codes[slot]:
             from . import traced
 
-            raise CompatibilityError(
+            e = CompatibilityError(
                 f"the compiled graph taps {traced.describe(code)} for slot {slot}, but this capture reads "
                 f"{traced.describe(self._point_codes[slot]) if slot < len(self._point_codes) else 'no such slot'} "
                 f"there (layer ids {self.layer_ids}, {self.cfg.convention} convention): vLLM loaded a torch.compile "
                 "artifact cached by a run with other capture settings; set VLLM_DISABLE_COMPILE_CACHE=1, or give the "
                 "settings in additional_config"
             )
+            self._failed(e)  # the driver re-raises it by type (vLLM reports only that the engine died)
+            raise e
         if self._active:
             self._traced_taps += 1
         self._on_capture(slot, hidden, residual)

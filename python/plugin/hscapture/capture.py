@@ -93,25 +93,25 @@ class WorkerCapture:
         is refused instead of filing one layer's states under another's id. On failure nothing stays
         installed or active."""
         try:
-            if not compiled:
-                self.handles = hooks.install(layers, points, self._on_capture)
-                if self.tp.size > 1:  # a sharded residual stream exists only across TP ranks
-                    self.handles += hooks.install_positions_probe(layers, self._on_positions)
-                return
-            from . import traced
+            on_capture, on_positions = self._on_capture, self._on_positions
+            if compiled:
+                from . import traced
 
-            traced.ensure_ops()
-            codes = tuple(traced.point_code(kind, k) for kind, k in points)
-            self._point_codes = codes
-            if isinstance(getattr(vc, "additional_config", None), dict):
-                # vLLM keys its compile cache on a hash of the config; settings given by environment
-                # variables alone would not be in it
-                vc.additional_config["hscapture_traced_points"] = list(codes)
-            self.handles = hooks.install(layers, points, lambda slot, h, r, codes=codes: traced.tap(h, r, slot, codes[slot]))
-            if self.tp.size > 1:
-                self.handles += hooks.install_positions_probe(layers, traced.positions)
-            traced.activate(self._on_traced, self._on_positions)
-            self._traced = True
+                traced.ensure_ops()
+                codes = tuple(traced.point_code(kind, k) for kind, k in points)
+                self._point_codes = codes
+                if isinstance(getattr(vc, "additional_config", None), dict):
+                    # vLLM keys its compile cache on a hash of the config; settings given by environment
+                    # variables alone would not be in it
+                    vc.additional_config["hscapture_traced_points"] = list(codes)
+                on_capture = lambda slot, h, r, codes=codes: traced.tap(h, r, slot, codes[slot])  # noqa: E731
+                on_positions = traced.positions
+            self.handles = hooks.install(layers, points, on_capture)
+            if self.tp.size > 1:  # a sharded residual stream exists only across TP ranks
+                self.handles += hooks.install_positions_probe(layers, on_positions)
+            if compiled:
+                traced.activate(self._on_traced, self._on_positions)
+                self._traced = True
         except BaseException:
             for h in self.handles:
                 h.remove()

@@ -7,8 +7,9 @@ Each (model, mode) runs in its own process (bench/gpu_run.py); modes alternate p
 tokens/s, each ratio to plain prefill, and the ceilings measured in the same invocation (D2H into
 pinned memory, local-disk write with fdatasync). Random weights (load_format="dummy"), bf16, eager,
 `max_tokens=1`. Capture files go to --out (page cache) except `hscapture_durable` (fsync per file).
-Modes: plain, hscapture (background assembly), hscapture_inline (scatter on the worker's thread),
-hscapture_durable, vllm, python.
+Modes: plain, hscapture (background assembly, overlapped steps), hscapture_inline (scatter on the
+worker's thread), hscapture_serial (each device step collected when the next begins), hscapture_durable,
+vllm, python.
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ if __name__ == "__main__":
         kw["async_scheduling"] = os.environ["HSBENCH_ASYNC"] == "1"
     if mode == "hscapture_inline":  # the scatter on the worker's thread, as before the assembler thread
         os.environ["HSCAPTURE_ASSEMBLY"] = "inline"
+    if mode == "hscapture_serial":  # each device step collected when the next begins, as before the overlap
+        os.environ["HSCAPTURE_DEVICE_OVERLAP"] = "0"
     if mode.startswith("hscapture"):
         kw["worker_cls"] = "hscapture.worker.CaptureWorker"
         kw["additional_config"] = {"hscapture": {"layers": ids, "convention": "after", "out": out,

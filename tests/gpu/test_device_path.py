@@ -68,8 +68,7 @@ def make_steps(seed: int, n_req: int = 12, budget: int = 96):
 def run(session, steps, tensors, device: bool):
     outcomes = []
     for so, order in steps:
-        o = session.begin_step(*step_args(so))
-        outcomes.append(o)
+        outcomes += session.begin_step(*step_args(so))
         session.plan(order)
         for slot in range(len(session.layer_ids)):
             h, r = tensors(so.total_num_scheduled_tokens, slot)
@@ -78,9 +77,9 @@ def run(session, steps, tensors, device: bool):
                 session.capture(slot, h, r, torch.cuda.current_stream().cuda_stream)
             else:
                 session.capture(slot, h, r)
-        outcomes.append(session.end_step())
-    outcomes.append(session.flush())
-    return [o for o in outcomes if o is not None], {d["sample"]: d for d in session.take_samples()}
+        outcomes += session.end_step()
+    outcomes += session.flush()
+    return outcomes, {d["sample"]: d for d in session.take_samples()}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -90,10 +89,12 @@ def nvrtc():
 
 @pytest.mark.parametrize("in_dtype,out_dtype", [(a, b) for a in ("float32", "bfloat16", "float16") for b in ("float32", "bfloat16", "float16")])
 @pytest.mark.parametrize("residual", [True, False])
-@pytest.mark.parametrize("ring", [0, 2, 3], ids=["inline", "ring2", "ring3"])
-def test_device_equals_cpu_twin_bit_for_bit(in_dtype, out_dtype, residual, ring):
+@pytest.mark.parametrize("ring,overlap", [(0, False), (0, True), (2, True), (3, False)],
+                         ids=["inline", "inline-overlap", "ring2-overlap", "ring3"])
+def test_device_equals_cpu_twin_bit_for_bit(in_dtype, out_dtype, residual, ring, overlap):
     """The kernel equals its CPU twin through whole sessions; with a ring, the pinned buffers are read on the
-    assembler thread while later steps copy into the others."""
+    assembler thread while later steps copy into the others; with overlap, a step begins and is launched
+    while the previous one's copies are in flight."""
     steps = make_steps(seed=zlib.crc32(f"{in_dtype}{out_dtype}{residual}".encode()) % 1000)
     gen = torch.Generator().manual_seed(0)
     cache: dict = {}
@@ -121,7 +122,7 @@ def test_device_equals_cpu_twin_bit_for_bit(in_dtype, out_dtype, residual, ring)
     cpu_out, cpu_samples = run(cpu, steps, record, device=False)
     it = iter(seq)
     dev = session()
-    dev.enable_device(torch.cuda.current_device(), 128, max(ring, 1))
+    dev.enable_device(torch.cuda.current_device(), 128, max(ring, 1) + int(overlap), overlap)
     if ring:
         dev.set_background(ring)
     dev_out, dev_samples = run(dev, steps, lambda rows, slot: next(it), device=True)
@@ -129,6 +130,29 @@ def test_device_equals_cpu_twin_bit_for_bit(in_dtype, out_dtype, residual, ring)
     assert sorted(cpu_samples) == sorted(dev_samples)
     for k in cpu_samples:
         assert cpu_samples[k]["data"] == dev_samples[k]["data"], f"sample {k} differs"
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_a_step_in_flight_is_not_overwritten_by_the_next(overlap):
+    """Step N+1's kernel is enqueued while step N's copy of a 128 MiB arena (a few ms) still runs: the
+    capture stream waits for it on the device. Without that wait the copy would read step N+1's rows."""
+    rows, width, steps = 16384, 4096, 6
+    s = _native.CaptureSession([1], "after", 8, width, "bfloat16", "bfloat16", assemble=True)
+    s.enable_device(torch.cuda.current_device(), rows, 2 + int(overlap), overlap)
+    states = [torch.randn(rows, width, device="cuda").to(torch.bfloat16) + k for k in range(steps)]
+    stream = torch.cuda.current_stream().cuda_stream
+    torch.cuda.synchronize()
+    for k in range(steps):
+        s.begin_step(*step_args(sched(new=[new_req(f"r{k}", rows, k)], n={f"r{k}": rows})))
+        s.plan([f"r{k}"])
+        s.capture(0, states[k], None, stream)
+        s.end_step()
+    s.flush()
+    got = {d["sample"]: d for d in s.take_samples()}
+    assert sorted(got) == list(range(steps))
+    for k in range(steps):
+        want = states[k].cpu().view(torch.int16).numpy().tobytes()
+        assert got[k]["data"] == want, f"step {k}: the stored rows are not the step's own"
 
 
 def test_non_finite_values_are_reported_from_the_device():

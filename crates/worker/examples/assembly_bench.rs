@@ -83,7 +83,7 @@ fn run(out: PathBuf, background: bool, steps: usize, fwd: Duration, reqs: usize,
             unsafe { s.capture(slot, &desc, None, 0)? };
         }
         let t = Instant::now();
-        let mut done = s.end_step()?.map(|o| o.completed).unwrap_or_default();
+        let mut done: Vec<_> = s.end_step()?.into_iter().flat_map(|o| o.completed).collect();
         done.extend(s.take_ready(false)?);
         for smp in done {
             w.submit(smp)?;

@@ -1,13 +1,17 @@
 //! The device side of a session, behind a trait so that the session's logic does not depend on
 //! CUDA (and is tested on CPU with a host-memory stand-in).
 //!
-//! Protocol per step: `reset(rows)` when the plan is fixed; `capture` once per slot (enqueues the
-//! capture kernel on the caller's stream and the copy of that slot's rows to host memory on a side
-//! stream); `end_step` (marks the step's copies); `wait` (blocks until the copies are done and
-//! hands out the step's host buffer; called when the next step begins, or at flush); `recycle` (the
-//! buffer comes back once its rows are assembled, possibly steps later, from the assembler thread).
-//! One step's copies are in flight at a time; the device arena is reused every step, the host
-//! buffers round a ring (`reset` takes a free one; the session returns buffers before it).
+//! Protocol per step: `reset(rows)` when the plan is fixed (takes a free host buffer of the ring);
+//! `capture` once per slot (enqueues the capture kernel on the caller's stream and the copy of that
+//! slot's rows to host memory on a side stream); `end_step` (marks the step's copies: the step is in
+//! flight); `wait` (blocks until the copies of the oldest step in flight are done and hands out its
+//! host buffer); `recycle` (the buffer comes back once its rows are assembled, possibly steps later,
+//! from the assembler thread).
+//!
+//! Several steps may be in flight: a step's first capture makes the caller's stream wait (on the
+//! device, never the host) for the copies of the step before it, so the device arena, reused every
+//! step, is overwritten only once it has been read. The session decides how many steps it leaves in
+//! flight when the next one begins (one, so that vLLM prepares step N+1 while step N still runs).
 
 use crate::error::CoreResult;
 use crate::rows::StepRows;
@@ -28,8 +32,12 @@ pub trait DeviceBackend: Send + Sync {
     fn allocated(&self) -> (usize, usize);
     /// Host buffers free for a step's copies.
     fn free_host(&self) -> usize;
+    /// Host buffers in the ring.
+    fn ring(&self) -> usize;
+    /// Steps ended and not yet collected by `wait`.
+    fn in_flight(&self) -> usize;
     /// Starts a step of `rows` captured rows per slot, to be computed from the given row runs; takes a
-    /// free host buffer (an error if none is).
+    /// free host buffer (an error if none is). Steps in flight stay in flight.
     fn reset(&mut self, rows: usize, runs: &[RowRun]) -> CoreResult<()>;
     /// Enqueues the capture of `slot` from `hidden` (+ `residual`) on `stream` (a raw CUDA stream).
     ///
@@ -37,9 +45,9 @@ pub trait DeviceBackend: Send + Sync {
     /// The descriptors must describe live device memory that stays allocated and unmodified until
     /// the enqueued work has run on `stream`.
     unsafe fn capture(&mut self, slot: usize, hidden: &TensorDesc, residual: Option<&TensorDesc>, stream: u64) -> CoreResult<()>;
-    /// Marks the end of the step's copies.
+    /// Marks the end of the step's copies; the step is in flight until `wait` collects it.
     fn end_step(&mut self) -> CoreResult<()>;
-    /// Waits for the step's copies and hands out its host buffer.
+    /// Waits for the copies of the oldest step in flight and hands out its host buffer.
     fn wait(&mut self) -> CoreResult<Box<dyn HostStep>>;
     /// Takes back a host buffer handed out by `wait` once its rows are no longer read.
     fn recycle(&mut self, buf: Box<dyn HostStep>) -> CoreResult<()>;

@@ -6,12 +6,16 @@
 //!   checksum and a non-finite count per row and the step's source-row index, allocated once when the
 //!   worker loads the model (before vLLM sizes its KV cache) and freed on drop;
 //! - host memory: `ring` pinned buffers with the arena's layout, allocated with it. A step's copies go
-//!   to the buffer `reset` took from the free list; `wait` synchronises on the step's last copy and
-//!   hands the buffer out ([`PinnedStep`]); it is written again only after `recycle` gave it back, so
-//!   the assembler thread reads it while the next steps copy into the others;
+//!   to the buffer `reset` took from the free list; `end_step` records the buffer's event after them
+//!   and queues the buffer as in flight; `wait` synchronises on the oldest one's event and hands the
+//!   buffer out ([`PinnedStep`]); it is written again only after `recycle` gave it back, so the
+//!   assembler thread reads it while the next steps copy into the others;
 //! - per slot: kernel on the caller's stream → event → side stream waits on it → copy of that slot's
 //!   rows; so copies overlap the rest of the forward, and the compute stream never waits on the host;
-//! - one step's copies in flight: the session calls `wait` before the next step reuses the arena.
+//! - the arena is reused every step: before a step's first kernel (and before each later one, in
+//!   case the caller's stream changes) the caller's stream waits on the device for the event of the
+//!   step before (its copies, and those of every step before it, which the copy stream ran first).
+//!   So the next step may begin, and be launched, while the previous one's copies are in flight.
 
 use std::ffi::c_void;
 
@@ -52,15 +56,19 @@ pub struct CudaDevice {
     d_src: sys::CUdeviceptr,
     hosts: Vec<Pinned>,
     free: Vec<usize>,
-    /// The host buffer of the step being captured (taken by `reset`, handed out by `wait`).
+    /// The host buffer of the step being captured (taken by `reset`, queued by `end_step`).
     cur: Option<usize>,
+    /// Buffers of steps ended and not yet collected, oldest first.
+    flight: std::collections::VecDeque<usize>,
+    /// The buffer of the last step ended: the next step's kernels wait for its copies (its event).
+    last: Option<usize>,
     copy_stream: sys::CUstream,
     slot_done: Vec<sys::CUevent>,
-    copies_done: sys::CUevent,
+    /// Per host buffer: recorded on the copy stream after the copies of the step it holds.
+    copies_done: Vec<sys::CUevent>,
     src_rows: Vec<i32>,
     rows: usize,
     src_uploaded: bool,
-    in_flight: bool,
 }
 
 // SAFETY: the raw pointers are this struct's own allocations (device and pinned host memory) and
@@ -134,13 +142,14 @@ impl CudaDevice {
             hosts: Vec::with_capacity(ring),
             free: Vec::with_capacity(ring),
             cur: None,
+            flight: std::collections::VecDeque::with_capacity(ring),
+            last: None,
             copy_stream: std::ptr::null_mut(),
             slot_done: Vec::with_capacity(slots),
-            copies_done: std::ptr::null_mut(),
+            copies_done: Vec::with_capacity(ring),
             src_rows: Vec::with_capacity(capacity),
             rows: 0,
             src_uploaded: false,
-            in_flight: false,
         };
         // Each allocation is stored as soon as it is made, so Drop frees whatever a failure left.
         guarded("allocating the capture arena", || {
@@ -161,7 +170,9 @@ impl CudaDevice {
                 for _ in 0..slots {
                     dev.slot_done.push(drv("cuEventCreate", cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?);
                 }
-                dev.copies_done = drv("cuEventCreate", cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
+                for _ in 0..ring {
+                    dev.copies_done.push(drv("cuEventCreate", cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?);
+                }
             }
             Ok(())
         })
@@ -189,11 +200,18 @@ impl DeviceBackend for CudaDevice {
     }
 
     fn free_host(&self) -> usize {
-        self.free.len() + usize::from(self.cur.is_some() && !self.in_flight)
+        self.free.len() + usize::from(self.cur.is_some())
+    }
+
+    fn ring(&self) -> usize {
+        self.hosts.len()
+    }
+
+    fn in_flight(&self) -> usize {
+        self.flight.len()
     }
 
     fn reset(&mut self, rows: usize, runs: &[RowRun]) -> CoreResult<()> {
-        ensure!(!self.in_flight, Compatibility, "a device step began before the previous one was collected");
         ensure!(rows <= self.capacity, ShapeContract, "{rows} rows exceed the device arena's {} rows", self.capacity);
         if self.cur.is_none() {
             // A step abandoned before `end_step` leaves its buffer in `cur`; it is reused as is.
@@ -230,6 +248,16 @@ impl DeviceBackend for CudaDevice {
         let Some(host) = self.cur.map(|i| self.hosts[i]) else {
             bail!(Compatibility, "slot {slot} captured before the device step was reset");
         };
+        if let Some(prev) = self.last {
+            let ev = self.copies_done[prev];
+            // The arena (and the row index) still hold the previous step until its copies ran: the
+            // caller's stream waits for them on the device, the host does not wait.
+            // SAFETY: the event was created in `new` and recorded by `end_step` on the copy stream.
+            guarded("cuStreamWaitEvent", || unsafe {
+                drv("cuStreamWaitEvent", cu::stream::wait_event(s, ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT))
+            })
+            .map_err(kerr)?;
+        }
         if !self.src_uploaded && self.rows > 0 {
             // Pageable host→device async copy: staged by the driver before the call returns, so the
             // vector may change afterwards; no device synchronisation.
@@ -280,34 +308,41 @@ impl DeviceBackend for CudaDevice {
     }
 
     fn end_step(&mut self) -> CoreResult<()> {
+        let Some(i) = self.cur else {
+            bail!(Compatibility, "a device step ended before it was reset");
+        };
         self.kernel.bind().map_err(kerr)?;
-        let (ev, cs) = (self.copies_done, self.copy_stream);
+        let (ev, cs) = (self.copies_done[i], self.copy_stream);
         // SAFETY: both handles were created in `new` and are alive.
         guarded("cuEventRecord", || unsafe { drv("cuEventRecord", cu::event::record(ev, cs)) }).map_err(kerr)?;
-        self.in_flight = true;
+        self.cur = None;
+        self.flight.push_back(i);
+        self.last = Some(i);
         Ok(())
     }
 
     fn wait(&mut self) -> CoreResult<Box<dyn HostStep>> {
-        ensure!(self.in_flight, Compatibility, "no device step to collect: `end_step` was not called");
+        let Some(&i) = self.flight.front() else {
+            bail!(Compatibility, "no device step to collect: `end_step` was not called");
+        };
         self.kernel.bind().map_err(kerr)?;
-        let ev = self.copies_done;
+        let ev = self.copies_done[i];
         // SAFETY: the event was recorded by `end_step` on the copy stream.
         let synced = guarded("cuEventSynchronize", || unsafe { drv("cuEventSynchronize", cu::event::synchronize(ev)) });
-        // Whatever happened, the step is over: on failure its buffer stays in `cur`, unread, and the
-        // next `reset` reuses it (so the ring never loses a buffer).
-        self.in_flight = false;
-        synced.map_err(kerr)?;
-        let Some(i) = self.cur.take() else {
-            bail!(Compatibility, "a device step was in flight without a host buffer");
-        };
+        // Whatever happened, the step is over: on failure its buffer goes back to the free list
+        // unread (so the ring never loses a buffer).
+        self.flight.pop_front();
+        if let Err(e) = synced {
+            self.free.push(i);
+            return Err(kerr(e));
+        }
         Ok(Box::new(PinnedStep { ring_slot: i, buf: self.hosts[i], capacity: self.capacity, row_bytes: self.row_bytes() }))
     }
 
     fn recycle(&mut self, buf: Box<dyn HostStep>) -> CoreResult<()> {
         let i = buf.ring_slot();
         ensure!(
-            i < self.hosts.len() && !self.free.contains(&i) && self.cur != Some(i),
+            i < self.hosts.len() && !self.free.contains(&i) && self.cur != Some(i) && !self.flight.contains(&i),
             Compatibility,
             "host buffer {i} given back twice or unknown (ring of {})",
             self.hosts.len()
@@ -330,8 +365,8 @@ impl Drop for CudaDevice {
                 for &e in &self.slot_done {
                     let _ = cu::event::destroy(e);
                 }
-                if !self.copies_done.is_null() {
-                    let _ = cu::event::destroy(self.copies_done);
+                for &e in &self.copies_done {
+                    let _ = cu::event::destroy(e);
                 }
                 if !self.copy_stream.is_null() {
                     let _ = cu::stream::destroy(self.copy_stream);

@@ -4,9 +4,17 @@
 //! Per step: [`Session::begin_step`] with the scheduler output; [`Session::plan`] with the order the
 //! runner used (at the first hook of the forward); [`Session::capture`] once per layer slot;
 //! [`Session::end_step`]. Host captures are accounted at `end_step`; device captures are copied to
-//! host memory asynchronously and accounted when the next step begins (or at [`Session::flush`]), so
-//! nothing in the step waits for the device. Each call that accounts returns a [`StepOutcome`]: the
-//! step checksum for the cross-rank check and, inline, the completed samples.
+//! host memory asynchronously and accounted later, in step order: with overlap (the default of the
+//! device path) when the step after next begins, so that step N+1 begins, and vLLM prepares and
+//! launches it, while step N's forward and copies still run; without it when the next step begins.
+//! [`Session::flush`] accounts every step in flight. Each call that accounts returns the
+//! [`StepOutcome`]s of the steps it accounted, oldest first: the step checksum for the cross-rank
+//! check and, inline, the completed samples. The calls that account, and how many steps each does,
+//! depend only on the sequence of steps and the configuration, so every rank of a group accounts
+//! the same steps at the same calls.
+//!
+//! A request that ends (finished or preempted before its prompt was complete) while a step holding
+//! its rows is in flight is dropped only once that step is accounted.
 //!
 //! Assembly is split: the checks, the checksum and completion (`assembly.rs`) run here; the copy of
 //! rows into per-request buffers (`scatter.rs`) runs inline or, after [`Session::set_background`],
@@ -73,6 +81,8 @@ pub struct SessionStats {
 struct Pending {
     plan: StepPlan,
     events: Vec<Event>,
+    /// Requests that ended after this step: dropped once its rows are assembled.
+    drops: Vec<String>,
 }
 
 /// Where rows are scattered: on the worker's thread, or on the assembler thread.
@@ -108,7 +118,10 @@ pub struct Session {
     /// Slots of this step received from another stage (not part of this rank's checksum).
     imported: Vec<bool>,
     on_device: bool,
-    pending: Option<Pending>,
+    /// Device steps in flight, oldest first.
+    pending: std::collections::VecDeque<Pending>,
+    /// Device steps left in flight when the next step begins (0 or 1).
+    keep_in_flight: usize,
     aborted: Vec<Aborted>,
 }
 
@@ -134,7 +147,8 @@ impl Session {
             absent: vec![false; slots],
             imported: vec![false; slots],
             on_device: false,
-            pending: None,
+            pending: std::collections::VecDeque::new(),
+            keep_in_flight: 0,
             aborted: Vec::new(),
         })
     }
@@ -214,15 +228,24 @@ impl Session {
         std::mem::take(&mut self.assembly.skipped)
     }
 
-    /// Captures device tensors through `device` from now on.
-    /// Once, before the first step (the assembler thread may later hold the device's host buffers).
-    pub fn set_device(&mut self, device: Box<dyn DeviceBackend>) -> CoreResult<()> {
+    /// Captures device tensors through `device` from now on; with `overlap`, a step begins while the
+    /// previous device step is still in flight (its forward and copies), which needs a ring of at
+    /// least 2 host buffers. Once, before the first step (the assembler thread may later hold the
+    /// device's host buffers).
+    pub fn set_device(&mut self, device: Box<dyn DeviceBackend>, overlap: bool) -> CoreResult<()> {
         ensure!(
-            self.device.is_none() && self.pending.is_none() && self.assembly.stats.steps == 0 && !self.tracker.in_step(),
+            self.device.is_none() && self.pending.is_empty() && self.assembly.stats.steps == 0 && !self.tracker.in_step(),
             Config,
             "the device path is enabled once, before the first step"
         );
+        ensure!(
+            !overlap || device.ring() >= 2,
+            Config,
+            "overlapping device steps needs a ring of at least 2 host buffers (one in flight, one being filled); found {}",
+            device.ring()
+        );
         self.device = Some(device);
+        self.keep_in_flight = usize::from(overlap);
         Ok(())
     }
 
@@ -261,20 +284,19 @@ impl Session {
         self.device.as_ref().map_or(0, |d| d.allocated().0)
     }
 
-    /// Registers a step's scheduler output. A device step still in flight is assembled first; its
-    /// outcome is returned.
-    pub fn begin_step(&mut self, input: StepInput) -> CoreResult<Option<StepOutcome>> {
-        let prev = self.collect_device_step()?;
+    /// Registers a step's scheduler output. Device steps in flight beyond the one overlap leaves are
+    /// assembled first; their outcomes are returned, oldest first.
+    pub fn begin_step(&mut self, input: StepInput) -> CoreResult<Vec<StepOutcome>> {
+        let prev = self.collect_device_steps(self.keep_in_flight)?;
         self.reclaim(false)?;
         for e in self.tracker.begin_step(input)? {
             if let Event::Aborted { req_id, sample, captured, prompt_len } = e {
-                self.assembly.drop_request(&req_id);
-                match &mut self.scattering {
-                    Scattering::Inline(sc) => sc.drop_request(&req_id),
-                    Scattering::Background(a) => a.drop_request(&req_id)?,
-                }
                 self.assembly.stats.aborted += 1;
-                self.aborted.push(Aborted { req_id, sample, captured, prompt_len });
+                self.aborted.push(Aborted { req_id: req_id.clone(), sample, captured, prompt_len });
+                match self.pending.back_mut() {
+                    Some(p) => p.drops.push(req_id),
+                    None => self.drop_request(&req_id)?,
+                }
             }
         }
         self.filled.iter_mut().for_each(|f| *f = false);
@@ -283,15 +305,38 @@ impl Session {
         Ok(prev)
     }
 
-    /// Accounts for a device step still in flight (waiting for its copies); None if there is none.
-    /// Its samples are in the outcome (inline) or come later through [`Session::take_ready`].
-    pub fn flush(&mut self) -> CoreResult<Option<StepOutcome>> {
-        self.collect_device_step()
+    /// Forgets a request's partial sample (it ended before its prompt was complete).
+    fn drop_request(&mut self, req_id: &str) -> CoreResult<()> {
+        self.assembly.drop_request(req_id);
+        match &mut self.scattering {
+            Scattering::Inline(sc) => sc.drop_request(req_id),
+            Scattering::Background(a) => a.drop_request(req_id)?,
+        }
+        Ok(())
     }
 
-    fn collect_device_step(&mut self) -> CoreResult<Option<StepOutcome>> {
-        let Some(p) = self.pending.take() else {
-            return Ok(None);
+    /// Accounts for every device step still in flight (waiting for their copies), oldest first.
+    /// Their samples are in the outcomes (inline) or come later through [`Session::take_ready`].
+    pub fn flush(&mut self) -> CoreResult<Vec<StepOutcome>> {
+        self.collect_device_steps(0)
+    }
+
+    /// Device steps in flight (ended, not yet accounted).
+    pub fn steps_in_flight(&self) -> usize {
+        self.pending.len()
+    }
+
+    fn collect_device_steps(&mut self, keep: usize) -> CoreResult<Vec<StepOutcome>> {
+        let mut outs = Vec::new();
+        while self.pending.len() > keep {
+            outs.push(self.collect_device_step()?);
+        }
+        Ok(outs)
+    }
+
+    fn collect_device_step(&mut self) -> CoreResult<StepOutcome> {
+        let Some(p) = self.pending.pop_front() else {
+            bail!(Compatibility, "no device step is in flight");
         };
         let Some(dev) = self.device.as_mut() else {
             bail!(Compatibility, "a device step is pending but the device path is gone");
@@ -306,8 +351,11 @@ impl Session {
             }
         };
         out.completed = self.scatter(job, Some(buf))?;
+        for r in &p.drops {
+            self.drop_request(r)?;
+        }
         out.aborted = std::mem::take(&mut self.aborted);
-        Ok(Some(out))
+        Ok(out)
     }
 
     /// Whether a step is in progress (between `begin_step` and `end_step`).
@@ -455,9 +503,9 @@ impl Session {
     }
 
     /// Ends the step: checks that every slot was captured and commits attribution. Host captures are
-    /// assembled now and their outcome returned; device captures when the next step begins (None
-    /// now). On error the step is abandoned.
-    pub fn end_step(&mut self) -> CoreResult<Option<StepOutcome>> {
+    /// assembled now (after any device step still in flight) and the outcomes returned; device
+    /// captures later (see `begin_step`; nothing now). On error the step is abandoned.
+    pub fn end_step(&mut self) -> CoreResult<Vec<StepOutcome>> {
         let r = self.end_step_inner();
         if r.is_err() {
             self.tracker.abandon();
@@ -465,7 +513,7 @@ impl Session {
         r
     }
 
-    fn end_step_inner(&mut self) -> CoreResult<Option<StepOutcome>> {
+    fn end_step_inner(&mut self) -> CoreResult<Vec<StepOutcome>> {
         let step = self.tracker.step();
         let plan = self.tracker.current_plan().cloned();
         if plan.is_some() {
@@ -486,15 +534,18 @@ impl Session {
             if let Some(dev) = self.device.as_mut() {
                 dev.end_step()?;
             }
-            self.pending = Some(Pending { plan, events });
-            return Ok(None);
+            self.pending.push_back(Pending { plan, events, drops: Vec::new() });
+            return Ok(Vec::new());
         }
+        // A step without device captures (none ran: no forward, or no hooked layer) keeps step order.
+        let mut outs = self.collect_device_steps(0)?;
         let present: Vec<bool> = self.absent.iter().map(|a| !a).collect();
         let own: Vec<bool> = present.iter().zip(&self.imported).map(|(p, i)| *p && !i).collect();
         let (mut out, job) = self.assembly.account(&self.cfg, &plan, events, &self.arena, &present, &own)?;
         out.completed = self.scatter(job, None)?;
         out.aborted = std::mem::take(&mut self.aborted);
-        Ok(Some(out))
+        outs.push(out);
+        Ok(outs)
     }
 
     /// Drops the step in progress after a failed forward.
@@ -525,3 +576,7 @@ mod fuzz;
 #[cfg(test)]
 #[path = "tests/stages.rs"]
 mod stages_tests;
+
+#[cfg(test)]
+#[path = "tests/overlap.rs"]
+mod overlap_tests;

@@ -16,7 +16,7 @@ impl Session {
     pub fn set_background(&mut self, ring: usize) -> CoreResult<()> {
         ensure!(ring >= 2, Config, "background assembly needs a ring of at least 2 step buffers, found {ring}");
         ensure!(
-            self.assembly.stats.steps == 0 && !self.tracker.in_step() && self.pending.is_none(),
+            self.assembly.stats.steps == 0 && !self.tracker.in_step() && self.pending.is_empty(),
             Config,
             "background assembly is chosen before the first step"
         );

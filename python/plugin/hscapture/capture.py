@@ -151,17 +151,20 @@ class WorkerCapture:
 
         preload_nvrtc()
         rows = int(vc.scheduler_config.max_num_batched_tokens)
+        overlap = bool(envs.get("HSCAPTURE_DEVICE_OVERLAP"))
         try:
-            ring = (_assembly_ring() if self.session.background else 0) or 1  # ranks that only verify need one
-            arch = self.session.enable_device(torch.cuda.current_device(), rows, ring)
+            # The assembler's ring (ranks that only verify need one buffer), plus the step in flight.
+            ring = ((_assembly_ring() if self.session.background else 0) or 1) + int(overlap)
+            arch = self.session.enable_device(torch.cuda.current_device(), rows, ring, overlap)
         except HscaptureError as e:
             if mode == "required":
                 raise
             log.warning("hscapture: the CUDA capture path is unavailable (%s); copying to the host in the hook", e)
             return "host"
         log.info("hscapture: CUDA capture kernel built for %s; device arena %.1f MiB for %d rows; %d pinned host "
-                 "buffer(s), assembly %s", arch, self.session.device_bytes / 2**20, rows, ring,
-                 "on the assembler thread" if self.session.background else "inline")
+                 "buffer(s), assembly %s, steps %s", arch, self.session.device_bytes / 2**20, rows, ring,
+                 "on the assembler thread" if self.session.background else "inline",
+                 "overlapped" if overlap else "collected when the next begins")
         return "device"
 
     def _init_state(self, cfg: CaptureConfig, session: Any, tp: Any, model_runner: Any, global_rank: int,
@@ -213,7 +216,7 @@ class WorkerCapture:
             self._failed(e)
             raise
         try:
-            self._assembled(outcome)  # the previous device step, assembled now: check it across ranks
+            self._assembled(outcome)  # earlier device steps, assembled now: check them across ranks
         except HscaptureError as e:
             self.session.abandon_step()  # this step will not run; the next one must not find it begun
             self._failed(e)
@@ -278,17 +281,16 @@ class WorkerCapture:
             self._failed(e)
             raise
 
-    def _assembled(self, outcome: tuple | None) -> None:
-        """A step's data reached the host: compare its checksum across the TP group. Every rank
-        assembles at the same calls (host steps at their end, device steps when the next begins)."""
-        if outcome is None:
-            return
-        step, checksum, _rows, _completed = outcome
-        if self.tp.size > 1:
-            self.session.verify_ranks(step, "tensor-parallel", self.tp.all_gather_i64(checksum))
+    def _assembled(self, outcomes: list) -> None:
+        """Steps' data reached the host: compare each checksum across the TP group. Every rank
+        assembles the same steps at the same calls (host steps at their end, device steps when a later
+        one begins: the session's rule depends only on the steps and the configuration)."""
+        for step, checksum, _rows, _completed in outcomes:
+            if self.tp.size > 1:
+                self.session.verify_ranks(step, "tensor-parallel", self.tp.all_gather_i64(checksum))
 
     def flush(self) -> None:
-        """Assembles a device step still in flight."""
+        """Assembles the device steps still in flight."""
         try:
             self._assembled(self.session.flush())
         except HscaptureError as e:

@@ -49,6 +49,10 @@ REGISTRY: dict[str, EnvVar] = {
         EnvVar("HSCAPTURE_DEVICE_PATH", "str", "auto",
                "CUDA capture path: `auto` (kernel, device arena and async copies; host copies if CUDA cannot be "
                "used, with a warning), `required` (fail instead), `off` (host copies in the hook)."),
+        EnvVar("HSCAPTURE_DEVICE_OVERLAP", "bool", "1",
+               "Device path: a step begins (vLLM prepares and launches it) while the previous step's forward and "
+               "copies to the host are still running; its rows are accounted one step later. `0` waits for them "
+               "when the next step begins (for comparison). Costs one more pinned host buffer."),
         EnvVar("HSCAPTURE_ASSEMBLY", "str", "background",
                "Where a step's rows are copied into per-request samples: `background` (the assembler thread, "
                "while the next forward runs; step buffers round a ring) or `inline` (on the worker's thread, "

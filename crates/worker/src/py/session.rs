@@ -50,17 +50,17 @@ type OutcomeTuple = (u64, i64, usize, usize);
 impl CaptureSession {
     /// Hands an assembled step's samples to the writer (or keeps them) and reports it.
     /// Also collects what the assembler thread completed meanwhile (all of it, waiting, with `fence`).
-    fn take_outcome(&mut self, py: Python<'_>, out: Option<StepOutcome>, fence: bool) -> PyResult<Option<OutcomeTuple>> {
+    fn take_outcome(&mut self, py: Python<'_>, outs: Vec<StepOutcome>, fence: bool) -> PyResult<Vec<OutcomeTuple>> {
         let inner = &mut self.inner;
         let mut ready = py.detach(|| inner.take_ready(fence))?;
-        let mut tuple = None;
-        if let Some(mut out) = out {
+        let mut tuples = Vec::with_capacity(outs.len());
+        for mut out in outs {
             let completed = out.completed.len();
             ready.append(&mut out.completed);
             for a in &out.aborted {
                 self.aborted.push((a.req_id.clone(), key_str(&a.sample), a.captured, a.prompt_len));
             }
-            tuple = Some((out.step, out.checksum as i64, out.rows, completed));
+            tuples.push((out.step, out.checksum as i64, out.rows, completed));
         }
         if let Some(w) = self.writer.as_mut() {
             // Blocks while the writer's queue is full (backpressure), without holding the GIL.
@@ -68,7 +68,7 @@ impl CaptureSession {
         } else {
             self.samples.extend(ready);
         }
-        Ok(tuple)
+        Ok(tuples)
     }
 }
 
@@ -168,7 +168,7 @@ impl CaptureSession {
         total_tokens: usize,
         finished: Vec<String>,
         preempted: Vec<String>,
-    ) -> PyResult<Option<OutcomeTuple>> {
+    ) -> PyResult<Vec<OutcomeTuple>> {
         guard("begin_step", || {
             let input = StepInput {
                 new_requests: new_requests
@@ -184,7 +184,7 @@ impl CaptureSession {
                 finished,
                 preempted,
             };
-            // Waits for the previous device step's copies (and may wait for the ring): without the GIL.
+            // May wait for a device step's copies (and for the ring): without the GIL.
             let inner = &mut self.inner;
             let out = py.detach(|| inner.begin_step(input))?;
             self.take_outcome(py, out, false)
@@ -217,9 +217,11 @@ impl CaptureSession {
         })
     }
 
-    /// Ends the step. Returns `(step, checksum_as_i64, rows, completed)` for a step assembled now
-    /// (host captures), None for a device step (assembled when the next step begins, or at `flush`).
-    fn end_step(&mut self, py: Python<'_>) -> PyResult<Option<OutcomeTuple>> {
+    /// Ends the step. Returns `[(step, checksum_as_i64, rows, completed)]` for the steps assembled now,
+    /// oldest first: a host step (after any device step still in flight); none for a device step
+    /// (assembled by a later `begin_step`, or at `flush`). `begin_step` returns the same for the
+    /// device steps it assembles.
+    fn end_step(&mut self, py: Python<'_>) -> PyResult<Vec<OutcomeTuple>> {
         guard("end_step", || {
             let inner = &mut self.inner;
             let out = py.detach(|| inner.end_step())?;
@@ -227,9 +229,9 @@ impl CaptureSession {
         })
     }
 
-    /// Assembles a device step still in flight and waits for the assembler thread to finish every
-    /// step handed to it; same result as `end_step`, None if no device step was in flight.
-    fn flush(&mut self, py: Python<'_>) -> PyResult<Option<OutcomeTuple>> {
+    /// Assembles every device step still in flight and waits for the assembler thread to finish every
+    /// step handed to it; same result as `end_step` (empty if no device step was in flight).
+    fn flush(&mut self, py: Python<'_>) -> PyResult<Vec<OutcomeTuple>> {
         guard("flush", || {
             let inner = &mut self.inner;
             let out = py.detach(|| inner.flush())?;
@@ -255,15 +257,16 @@ impl CaptureSession {
     }
 
     /// Captures CUDA tensors on device `ordinal` from now on: compiles the capture kernel (NVRTC) and
-    /// allocates the fixed device arena of `capacity_rows` rows per layer and its pinned host twin.
-    /// Returns the architecture the kernel was built for.
-    #[pyo3(signature = (ordinal, capacity_rows, host_ring=2))]
-    fn enable_device(&mut self, py: Python<'_>, ordinal: i32, capacity_rows: usize, host_ring: usize) -> PyResult<String> {
+    /// allocates the fixed device arena of `capacity_rows` rows per layer and `host_ring` pinned host
+    /// buffers. With `overlap`, a step begins while the previous one's forward and copies are in flight
+    /// (needs `host_ring` ≥ 2). Returns the architecture the kernel was built for.
+    #[pyo3(signature = (ordinal, capacity_rows, host_ring=2, overlap=true))]
+    fn enable_device(&mut self, py: Python<'_>, ordinal: i32, capacity_rows: usize, host_ring: usize, overlap: bool) -> PyResult<String> {
         guard("enable_device", || {
             let cfg = self.inner.config().clone();
             let dev = py.detach(|| CudaDevice::new(ordinal, cfg.layers.num_slots(), cfg.hidden_size, cfg.out_dtype, capacity_rows, host_ring))?;
             let arch = dev.arch().to_string();
-            self.inner.set_device(Box::new(dev))?;
+            self.inner.set_device(Box::new(dev), overlap)?;
             Ok(arch)
         })
     }
@@ -326,7 +329,7 @@ impl CaptureSession {
     /// Completed samples kept in memory (sessions without an output directory), removed from the
     /// session: dicts with `sample`, `request_id`, `token_ids`, `shape`, `dtype`, `data` (bytes).
     fn take_samples<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        guard("take_samples", || self.take_outcome(py, None, true).map(|_| ()))?;
+        guard("take_samples", || self.take_outcome(py, Vec::new(), true).map(|_| ()))?;
         let out = PyList::empty(py);
         for s in self.samples.drain(..) {
             let d = PyDict::new(py);
@@ -364,7 +367,7 @@ impl CaptureSession {
     /// Waits until every completed sample is written (the writer keeps running); returns the records
     /// not yet taken.
     fn drain<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        guard("drain", || self.take_outcome(py, None, true).map(|_| ()))?;
+        guard("drain", || self.take_outcome(py, Vec::new(), true).map(|_| ()))?;
         if let Some(w) = self.writer.as_ref() {
             py.detach(|| w.drain())?;
         }
@@ -376,12 +379,12 @@ impl CaptureSession {
         // Even after an error, the writer is finished (its queue written, its threads joined); the first
         // error is reported after that.
         let first = guard("finish", || {
-            let r = self.take_outcome(py, None, true).map(|_| ());
+            let r = self.take_outcome(py, Vec::new(), true).map(|_| ());
             // The writer's threads stop only once the assembler's submitter is gone.
             let inner = &mut self.inner;
             let unset = py.detach(|| inner.set_sink(None)).map_err(PyErr::from);
             r.and(unset)?;
-            self.take_outcome(py, None, true).map(|_| ())
+            self.take_outcome(py, Vec::new(), true).map(|_| ())
         })
         .err();
         let finished = match self.writer.as_mut() {

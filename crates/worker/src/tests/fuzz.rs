@@ -129,7 +129,7 @@ proptest! {
                 // SAFETY: `h` is live for the call.
                 unsafe { s.capture(0, &d, None, 0).unwrap() };
             }
-            let out = s.end_step().unwrap().unwrap();
+            let out = s.end_step().unwrap().remove(0);
             collected.extend(out.completed);
             collected.extend(s.take_ready(false).unwrap());
         }

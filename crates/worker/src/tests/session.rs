@@ -5,7 +5,7 @@ use crate::plan::{CachedRequest, NewRequest};
 
 const H: usize = 4;
 
-fn session(ids: &[i64], assemble: bool) -> Session {
+pub(super) fn session(ids: &[i64], assemble: bool) -> Session {
     Session::new(SessionConfig {
         layers: LayerPlan::new(ids, Convention::After, 8).unwrap(),
         hidden_size: H,
@@ -17,15 +17,15 @@ fn session(ids: &[i64], assemble: bool) -> Session {
 }
 
 /// Values encode (layer, step row, column) so every misplaced row is visible.
-fn layer_output(layer: usize, rows: usize, base: f32) -> Vec<f32> {
+pub(super) fn layer_output(layer: usize, rows: usize, base: f32) -> Vec<f32> {
     (0..rows * H).map(|i| base + (layer * 1000 + (i / H) * 10 + i % H) as f32).collect()
 }
 
-fn desc(v: &[f32], rows: usize) -> TensorDesc {
+pub(super) fn desc(v: &[f32], rows: usize) -> TensorDesc {
     TensorDesc { ptr: v.as_ptr() as usize, shape: vec![rows, H], strides: vec![H as i64, 1], dtype: DType::F32, device: Device::Cpu }
 }
 
-fn run_step(s: &mut Session, input: StepInput, order: &[&str], layers: &[usize]) -> CoreResult<StepOutcome> {
+pub(super) fn run_step(s: &mut Session, input: StepInput, order: &[&str], layers: &[usize]) -> CoreResult<StepOutcome> {
     let total = input.total_tokens;
     s.begin_step(input)?;
     s.plan(&order.iter().map(|x| x.to_string()).collect::<Vec<_>>())?;
@@ -35,14 +35,14 @@ fn run_step(s: &mut Session, input: StepInput, order: &[&str], layers: &[usize])
         // SAFETY: `h` and `r` are live for the call and not written meanwhile.
         unsafe { s.capture(slot, &desc(&h, total), Some(&desc(&r, total)), 0)? };
     }
-    Ok(s.end_step()?.unwrap_or_default())
+    Ok(s.end_step()?.pop().unwrap_or_default())
 }
 
-fn req(id: &str, len: usize, sample: u64) -> NewRequest {
+pub(super) fn req(id: &str, len: usize, sample: u64) -> NewRequest {
     NewRequest { req_id: id.into(), prompt_token_ids: (0..len as i64).collect(), num_computed_tokens: 0, sample: Some(sample) }
 }
 
-fn input(new: Vec<NewRequest>, cached: Vec<CachedRequest>, sched: &[(&str, usize)]) -> StepInput {
+pub(super) fn input(new: Vec<NewRequest>, cached: Vec<CachedRequest>, sched: &[(&str, usize)]) -> StepInput {
     StepInput {
         new_requests: new,
         cached_requests: cached,
@@ -157,7 +157,7 @@ fn opt_in_skips_only_the_sample_with_non_finite_values_across_chunks() {
     h[3 * H] = f32::NAN;
     // SAFETY: `h` is live for the call.
     unsafe { s.capture(0, &desc(&h, 4), None, 0).unwrap() };
-    let out = s.end_step().unwrap().unwrap();
+    let out = s.end_step().unwrap().remove(0);
     assert_eq!(out.completed.iter().map(|x| x.key.clone()).collect::<Vec<_>>(), vec![SampleKey::Index(0)]);
     assert!(s.take_skipped().is_empty(), "b is not complete yet");
     // Step 2: b's last 2 tokens, finite: b is still skipped, reported once, with what was found.
@@ -179,7 +179,7 @@ fn padded_steps_read_only_scheduled_rows() {
     let h = layer_output(0, 8, 0.0); // padded to 8 rows (CUDA-graph padding)
     // SAFETY: `h` is live for the call.
     unsafe { s.capture(0, &desc(&h, 8), None, 0).unwrap() };
-    let out = s.end_step().unwrap().unwrap();
+    let out = s.end_step().unwrap().remove(0);
     assert_eq!(out.completed[0].rows, 3);
 }
 
@@ -196,7 +196,9 @@ pub(crate) struct HostDevice {
     /// The ring: None while a buffer is handed out.
     hosts: Vec<Option<Arena>>,
     cur: Option<usize>,
-    in_flight: bool,
+    /// Buffers of ended steps not yet collected, oldest first (their copies ran at `end_step`: the
+    /// stand-in models a device whose next step waits for them, as the CUDA path's stream wait does).
+    flight: std::collections::VecDeque<usize>,
     pub(crate) waits: usize,
 }
 
@@ -210,7 +212,7 @@ impl HostDevice {
             dev: Arena::new(slots, H, DType::F32),
             hosts: (0..ring).map(|_| Some(Arena::new(slots, H, DType::F32))).collect(),
             cur: None,
-            in_flight: false,
+            flight: std::collections::VecDeque::new(),
             waits: 0,
         }
     }
@@ -250,12 +252,17 @@ impl crate::device::DeviceBackend for HostDevice {
         (self.dev.allocated_bytes(), self.hosts.iter().flatten().map(Arena::allocated_bytes).sum())
     }
     fn free_host(&self) -> usize {
-        self.hosts.iter().enumerate().filter(|(i, h)| h.is_some() && (self.cur != Some(*i) || !self.in_flight)).count()
+        self.hosts.iter().enumerate().filter(|(i, h)| h.is_some() && !self.flight.contains(i)).count()
+    }
+    fn ring(&self) -> usize {
+        self.hosts.len()
+    }
+    fn in_flight(&self) -> usize {
+        self.flight.len()
     }
     fn reset(&mut self, rows: usize, runs: &[hscapture_kernels::RowRun]) -> CoreResult<()> {
-        assert!(!self.in_flight, "a step began before the previous one was collected");
         if self.cur.is_none() {
-            let free = self.hosts.iter().position(Option::is_some);
+            let free = (0..self.hosts.len()).find(|i| self.hosts[*i].is_some() && !self.flight.contains(i));
             let Some(i) = free else {
                 crate::bail!(Compatibility, "no free host buffer");
             };
@@ -292,14 +299,13 @@ impl crate::device::DeviceBackend for HostDevice {
             dst.nonfinite.copy_from_slice(&bad);
         }
         self.hosts[i] = Some(host);
-        self.in_flight = true;
+        self.cur = None;
+        self.flight.push_back(i);
         Ok(())
     }
     fn wait(&mut self) -> CoreResult<Box<dyn crate::device::HostStep>> {
-        assert!(self.in_flight, "wait without a step in flight");
         self.waits += 1;
-        self.in_flight = false;
-        let i = self.cur.take().expect("a step in flight has a buffer");
+        let i = self.flight.pop_front().expect("wait without a step in flight");
         let arena = self.hosts[i].take().expect("the buffer is not handed out twice");
         Ok(Box::new(HostBuf { slot: i, arena }))
     }
@@ -317,7 +323,7 @@ fn device_steps_are_assembled_when_the_next_step_begins() {
     let layers = [1usize, 5];
     let mut host = session(&[5, 1], true);
     let mut dev = session(&[5, 1], true);
-    dev.set_device(Box::new(HostDevice::new(2, 64, 1))).unwrap();
+    dev.set_device(Box::new(HostDevice::new(2, 64, 1)), false).unwrap();
     let steps = || {
         vec![
             (input(vec![req("a", 2, 0), req("b", 5, 1)], vec![], &[("a", 2), ("b", 3)]), vec!["b", "a"]),
@@ -341,9 +347,7 @@ fn device_steps_are_assembled_when_the_next_step_begins() {
     let mut dev_out = Vec::new();
     for (inp, order) in steps() {
         let total = inp.total_tokens;
-        if let Some(o) = dev.begin_step(inp).unwrap() {
-            dev_out.push(o);
-        }
+        dev_out.extend(dev.begin_step(inp).unwrap());
         dev.plan(&order.iter().map(|x| x.to_string()).collect::<Vec<_>>()).unwrap();
         for (slot, &layer) in layers.iter().enumerate() {
             let h = layer_output(layer, total, 0.0);
@@ -352,10 +356,10 @@ fn device_steps_are_assembled_when_the_next_step_begins() {
             // SAFETY: `h` and `r` are live for the call; the stand-in device copies them at once.
             unsafe { dev.capture(slot, &tag(desc(&h, total)), Some(&tag(desc(&r, total))), 0).unwrap() };
         }
-        assert!(dev.end_step().unwrap().is_none(), "device steps are not assembled at end_step");
+        assert!(dev.end_step().unwrap().is_empty(), "device steps are not assembled at end_step");
     }
-    dev_out.push(dev.flush().unwrap().expect("the last step is assembled at flush"));
-    assert!(dev.flush().unwrap().is_none());
+    dev_out.extend(dev.flush().unwrap());
+    assert!(dev.flush().unwrap().is_empty());
     assert_eq!(dev_out.len(), 2);
     for (a, b) in host_out.iter().zip(&dev_out) {
         assert_eq!((a.step, a.checksum, a.rows), (b.step, b.checksum, b.rows));
@@ -392,7 +396,7 @@ fn large_steps_scatter_in_parallel_to_the_same_result() {
         // SAFETY: `h` is live for the call.
         unsafe { s.capture(slot, &d, None, 0).unwrap() };
     }
-    let out = s.end_step().unwrap().unwrap();
+    let out = s.end_step().unwrap().remove(0);
     assert_eq!(out.completed.len(), 4);
     for smp in &out.completed {
         let SampleKey::Index(i) = smp.key else { panic!("indexed") };
@@ -428,12 +432,12 @@ fn two_prompts_with_the_same_sample_index_are_refused() {
 /// Runs a chunked schedule of `steps` steps (requests of 3..=9 tokens, at most 4 tokens per request
 /// per step, new requests every step) on `s`, as host or stand-in device tensors; returns every
 /// sample (from outcomes and from the assembler thread), sorted by key, and the outcomes' checksums.
-fn chunked_run(s: &mut Session, steps: usize, on_device: bool) -> (Vec<Sample>, Vec<u64>) {
+pub(super) fn chunked_run(s: &mut Session, steps: usize, on_device: bool) -> (Vec<Sample>, Vec<u64>) {
     let layers = [1usize, 5];
     let mut left: Vec<(String, usize, usize)> = Vec::new(); // (id, computed, len)
     let (mut samples, mut sums) = (Vec::new(), Vec::new());
-    let keep = |o: Option<StepOutcome>, s: &mut Session, samples: &mut Vec<Sample>, sums: &mut Vec<u64>| {
-        if let Some(o) = o {
+    let keep = |outs: Vec<StepOutcome>, s: &mut Session, samples: &mut Vec<Sample>, sums: &mut Vec<u64>| {
+        for o in outs {
             sums.push(o.checksum);
             samples.extend(o.completed);
         }
@@ -492,8 +496,8 @@ fn background_assembly_equals_inline_on_host_and_device_paths() {
     assert_eq!(bg.request_bytes(), bg.held_bytes() - bg.arena.allocated_bytes() - bg.spare_arenas.iter().map(Arena::allocated_bytes).sum::<usize>());
 
     let mut dev = session(&[5, 1], true);
-    dev.set_device(Box::new(HostDevice::new(2, 64, 2))).unwrap();
-    assert!(dev.set_device(Box::new(HostDevice::new(2, 64, 2))).is_err(), "the device path is enabled once");
+    dev.set_device(Box::new(HostDevice::new(2, 64, 2)), false).unwrap();
+    assert!(dev.set_device(Box::new(HostDevice::new(2, 64, 2)), false).is_err(), "the device path is enabled once");
     dev.set_background(2).unwrap();
     let (got, sums) = chunked_run(&mut dev, 12, true);
     assert_eq!(got, want, "device path on the assembler thread: same samples byte for byte");
@@ -501,7 +505,7 @@ fn background_assembly_equals_inline_on_host_and_device_paths() {
 
     // One pinned buffer and the assembler thread: every step waits for the buffer to come back.
     let mut one = session(&[5, 1], true);
-    one.set_device(Box::new(HostDevice::new(2, 64, 1))).unwrap();
+    one.set_device(Box::new(HostDevice::new(2, 64, 1)), false).unwrap();
     one.set_background(2).unwrap();
     let (got, sums) = chunked_run(&mut one, 12, true);
     assert_eq!((got, sums), (want, want_sums), "a ring of one device buffer: slower, the same data");

@@ -55,9 +55,9 @@ fn two_stages_assemble_what_one_session_would() {
         capture(&mut whole, &[0, 1, 2]);
         let msg = first.export_slots(&[0, 1]).unwrap();
         assert_eq!(last.import_slots(&msg, "stage 0").unwrap(), vec![0, 1]);
-        let a = first.end_step().unwrap().unwrap();
-        let b = last.end_step().unwrap().unwrap();
-        let c = whole.end_step().unwrap().unwrap();
+        let a = first.end_step().unwrap().remove(0);
+        let b = last.end_step().unwrap().remove(0);
+        let c = whole.end_step().unwrap().remove(0);
         assert!(a.completed.is_empty());
         // The assembling rank's checksum covers what it captured itself (what its TP peers hold).
         let mut peer = session(false);
@@ -65,7 +65,7 @@ fn two_stages_assemble_what_one_session_would() {
         peer.begin_step(step_input(step)).unwrap();
         peer.plan(&order).unwrap();
         capture(&mut peer, &[2]);
-        assert_eq!(peer.end_step().unwrap().unwrap().checksum, b.checksum);
+        assert_eq!(peer.end_step().unwrap().remove(0).checksum, b.checksum);
         assert_eq!(b.completed.len(), 1);
         assert_eq!(b.completed[0].data, c.completed[0].data);
     }

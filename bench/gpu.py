@@ -108,7 +108,12 @@ def main() -> None:
             results[mode] = res
             du = subprocess.run(["du", "-sb", str(run_out)], capture_output=True, text=True).stdout.split()
             res["bytes"] = int(du[0]) if du else 0
-            tail = f"; waiting for files after the last step {min(res['drains']):.3f} s" if mode.startswith("hscapture") else ""
+            tail = ""
+            if mode.startswith("hscapture"):
+                k = min(range(len(res["drains"])), key=lambda i: res["drains"][i])
+                part = (res.get("drain_parts") or [None] * (k + 1))[k] or {}
+                split = f" = assemble {part['assemble']:.3f} + write {part['write']:.3f}" if part else ""
+                tail = f"; waiting for files after the last step {res['drains'][k]:.3f} s{split}"
             print(f"[{name}/{mode}] {res['tokens'] / res['seconds']:,.0f} tok/s (rounds {', '.join(f'{x:.2f}' for x in res['rounds'])} s{tail}; "
                   f"{res['bytes'] / 2**30:.2f} GiB on disk{'; path ' + res['device_path'] if 'device_path' in res else ''}; "
                   f"process {time.perf_counter() - t:.0f} s)", flush=True)
@@ -116,6 +121,11 @@ def main() -> None:
         if "plain" in results:
             base = results["plain"]["tokens"] / results["plain"]["seconds"]
             print(f"== {name}: " + ", ".join(f"{m} {r['tokens'] / r['seconds'] / base:.3f}x" for m, r in results.items()), flush=True)
+            # The same runs up to the last step's end (without the wait for its files): the steady-state cost.
+            steps = {m: min(a - b for a, b in zip(r["rounds"], r["drains"])) for m, r in results.items() if r.get("drains")}
+            if steps:
+                print(f"== {name}, up to the last step: " + ", ".join(f"{m} {results[m]['tokens'] / s / base:.3f}x" for m, s in steps.items()),
+                      flush=True)
 
 
 if __name__ == "__main__":

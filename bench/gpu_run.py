@@ -52,7 +52,7 @@ if __name__ == "__main__":
     llm.generate(prompts[:batch], sp, use_tqdm=False)  # warm-up
     if mode.startswith("hscapture"):
         llm.collective_rpc("hscapture_drain")
-    per, drains = [], []
+    per, drains, parts = [], [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)
@@ -60,9 +60,11 @@ if __name__ == "__main__":
         if mode.startswith("hscapture"):
             res = [r for r in llm.collective_rpc("hscapture_drain") if r and r.get("writer")]
             path = res[0]["device_path"] if res else "?"
+            parts.append(res[0].get("seconds") if res else None)
         per.append(time.perf_counter() - t0)
         drains.append(time.perf_counter() - t1)  # the run's tail: the last step's copy, assembly and writes
-    info = {"mode": mode, "tokens": n_prompts * length, "seconds": min(per), "rounds": per, "drains": drains}
+    info = {"mode": mode, "tokens": n_prompts * length, "seconds": min(per), "rounds": per, "drains": drains,
+            "drain_parts": parts}
     if mode.startswith("hscapture"):
         info["device_path"] = path
     print("BENCH_JSON " + json.dumps(info), flush=True)

@@ -5,8 +5,9 @@
 //! runner used (at the first hook of the forward); [`Session::capture`] once per layer slot;
 //! [`Session::end_step`]. Host captures are accounted at `end_step`; device captures are copied to
 //! host memory asynchronously and accounted later, in step order: with overlap (the default of the
-//! device path) when the step after next begins, so that step N+1 begins, and vLLM prepares and
-//! launches it, while step N's forward and copies still run; without it when the next step begins.
+//! device path) when the next step ends, so that step N+1 begins, and vLLM prepares and launches
+//! it, while step N's forward and copies still run (the host then waits for step N with step N+1
+//! already queued behind it on the device); without it when the next step begins.
 //! [`Session::flush`] accounts every step in flight. Each call that accounts returns the
 //! [`StepOutcome`]s of the steps it accounted, oldest first: the step checksum for the cross-rank
 //! check and, inline, the completed samples. The calls that account, and how many steps each does,
@@ -284,8 +285,8 @@ impl Session {
         self.device.as_ref().map_or(0, |d| d.allocated().0)
     }
 
-    /// Registers a step's scheduler output. Device steps in flight beyond the one overlap leaves are
-    /// assembled first; their outcomes are returned, oldest first.
+    /// Registers a step's scheduler output. Device steps in flight beyond the one overlap leaves (none
+    /// without overlap) are assembled first; their outcomes are returned, oldest first.
     pub fn begin_step(&mut self, input: StepInput) -> CoreResult<Vec<StepOutcome>> {
         let prev = self.collect_device_steps(self.keep_in_flight)?;
         self.reclaim(false)?;
@@ -504,7 +505,8 @@ impl Session {
 
     /// Ends the step: checks that every slot was captured and commits attribution. Host captures are
     /// assembled now (after any device step still in flight) and the outcomes returned; device
-    /// captures later (see `begin_step`; nothing now). On error the step is abandoned.
+    /// captures later: with overlap, the previous device step is assembled now and this one when the
+    /// next ends; without, this one when the next begins. On error the step is abandoned.
     pub fn end_step(&mut self) -> CoreResult<Vec<StepOutcome>> {
         let r = self.end_step_inner();
         if r.is_err() {
@@ -535,7 +537,12 @@ impl Session {
                 dev.end_step()?;
             }
             self.pending.push_back(Pending { plan, events, drops: Vec::new() });
-            return Ok(Vec::new());
+            // Overlap: the step before is accounted now, while this one is queued on the device behind
+            // it (so that at the end of a run only the last step is left to assemble).
+            return match self.keep_in_flight {
+                0 => Ok(Vec::new()),
+                keep => self.collect_device_steps(keep),
+            };
         }
         // A step without device captures (none ran: no forward, or no hooked layer) keeps step order.
         let mut outs = self.collect_device_steps(0)?;

@@ -9,6 +9,7 @@ completed samples to the writer (on the writing rank).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -176,6 +177,7 @@ class WorkerCapture:
         self.tp = tp
         self.writer_rank = tp.rank == 0 if writer is None else writer
         self.link: Any = None
+        self.drain_seconds: dict[str, float] = {}
         self.model_runner = model_runner
         self.order = vllm_compat.RunnerOrder(model_runner) if model_runner is not None else None
         self._scheduled: dict[str, int] = {}
@@ -377,9 +379,15 @@ class WorkerCapture:
             self.session.abandon_step()
 
     def drain(self) -> list[dict]:
-        """Waits until every completed sample is on disk (capture continues); returns new records."""
+        """Waits until every completed sample is on disk (capture continues); returns new records.
+        ``drain_seconds`` keeps how long each part took: the steps in flight (copies, checks, assembly,
+        handing samples to the writer), then the writes."""
+        t0 = time.perf_counter()
         self.flush()
-        return list(self.session.drain())
+        t1 = time.perf_counter()
+        records = list(self.session.drain())
+        self.drain_seconds = {"assemble": t1 - t0, "write": time.perf_counter() - t1}
+        return records
 
     def finish(self) -> dict:
         traced_calls = self._traced_taps if self._traced else None

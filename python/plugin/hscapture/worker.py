@@ -66,7 +66,9 @@ class CaptureWorker(HiddenStatesRPC, _Base):  # type: ignore[misc, valid-type]
         cap = self._hscapture
         if cap is None:
             return None
-        return {"tp_rank": cap.tp.rank, "writer": cap.writer_rank, "records": cap.drain(), "device_path": cap.device_path}
+        records = cap.drain()
+        return {"tp_rank": cap.tp.rank, "writer": cap.writer_rank, "records": records, "device_path": cap.device_path,
+                "seconds": cap.drain_seconds}
 
     def hscapture_stats(self) -> dict:
         """This rank's resident memory and capture totals (for soaks and dashboards)."""

@@ -49,20 +49,29 @@ fn overlapped_steps_give_the_host_paths_samples_and_checksums() {
 }
 
 #[test]
-fn a_device_step_is_accounted_when_the_step_after_next_begins() {
+fn a_device_step_is_accounted_when_the_next_one_ends() {
     let mut s = session(&[1], true);
     s.set_device(Box::new(HostDevice::new(1, 64, 2)), true).unwrap();
     let (b0, e0) = step(&mut s, input(vec![req("a", 9, 0)], vec![], &[("a", 3)]), &["a"], &[1], true);
     assert!(b0.is_empty() && e0.is_empty());
     let (b1, e1) = step(&mut s, input(vec![], vec![cached("a", 3)], &[("a", 3)]), &["a"], &[1], true);
-    assert!(b1.is_empty() && e1.is_empty(), "the first step is still in flight while the second begins");
-    assert_eq!(s.steps_in_flight(), 2);
-    let (b2, _) = step(&mut s, input(vec![], vec![cached("a", 6)], &[("a", 3)]), &["a"], &[1], true);
-    assert_eq!(b2.iter().map(|o| o.step).collect::<Vec<_>>(), vec![1], "the third step begins: the first is accounted");
+    assert!(b1.is_empty(), "the first step is still in flight while the second begins");
+    assert_eq!(e1.iter().map(|o| (o.step, o.rows)).collect::<Vec<_>>(), vec![(1, 3)], "and is accounted when it ends");
+    assert_eq!(s.steps_in_flight(), 1);
+    let (b2, e2) = step(&mut s, input(vec![], vec![cached("a", 6)], &[("a", 3)]), &["a"], &[1], true);
+    assert!(b2.is_empty());
+    assert_eq!(e2.iter().map(|o| o.step).collect::<Vec<_>>(), vec![2]);
     let rest = s.flush().unwrap();
-    assert_eq!(rest.iter().map(|o| (o.step, o.rows)).collect::<Vec<_>>(), vec![(2, 3), (3, 3)]);
-    assert_eq!(rest[1].completed.len(), 1, "the prompt completes with its last step");
+    assert_eq!(rest.iter().map(|o| (o.step, o.rows)).collect::<Vec<_>>(), vec![(3, 3)], "only the last step is left");
+    assert_eq!(rest[0].completed.len(), 1, "the prompt completes with its last step");
     assert!(s.flush().unwrap().is_empty());
+
+    // Without overlap: each step is accounted when the next begins.
+    let mut serial = session(&[1], true);
+    serial.set_device(Box::new(HostDevice::new(1, 64, 1)), false).unwrap();
+    step(&mut serial, input(vec![req("a", 9, 0)], vec![], &[("a", 3)]), &["a"], &[1], true);
+    let (b1, e1) = step(&mut serial, input(vec![], vec![cached("a", 3)], &[("a", 3)]), &["a"], &[1], true);
+    assert_eq!((b1.len(), e1.len()), (1, 0));
 }
 
 #[test]

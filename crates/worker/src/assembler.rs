@@ -82,14 +82,17 @@ fn run(rx: Receiver<Msg>, back: Sender<StepBuffer>, ready: Arc<Mutex<Ready>>, mu
         match msg {
             Msg::Step(job, buf) => {
                 let step = job.step;
-                let r = catch_unwind(AssertUnwindSafe(|| scatter.run(job, buf.rows())))
+                // With a sink, each sample goes to the writer as soon as its rows are copied (from the
+                // scatter thread that copied them), so writing starts while the step is still copied.
+                let submit = |s: Sample| match &sink {
+                    Some(w) => w.submit(s),
+                    None => Ok(()),
+                };
+                let emit: Option<crate::scatter::Emit<'_>> = if sink.is_some() { Some(&submit) } else { None };
+                let r = catch_unwind(AssertUnwindSafe(|| scatter.run(job, buf.rows(), emit)))
                     .unwrap_or_else(|_| Err(core_err!(Output, "step {step}: the assembler thread panicked while copying rows")));
                 // The worker may be waiting for this buffer; it gets it back even after an error.
                 let _ = back.send(buf);
-                let r = match (r, &sink) {
-                    (Ok(samples), Some(w)) => samples.into_iter().try_for_each(|s| w.submit(s)).map(|()| Vec::new()),
-                    (r, _) => r,
-                };
                 let mut g = lock(&ready);
                 match r {
                     Ok(samples) => g.samples.extend(samples),

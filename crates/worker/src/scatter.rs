@@ -66,6 +66,64 @@ fn scatter_segment(seg: &Segment, buf: &mut [u8], rows: &dyn StepRows, slots: us
     }
 }
 
+/// Where completed samples go from the scatter threads (the writer's queue).
+pub type Emit<'a> = &'a (dyn Fn(Sample) -> CoreResult<()> + Sync);
+
+/// One segment of a step: the request's buffer, its completion if this step completes it (with its
+/// index in the job's completion order), and, once copied, what became of a completed sample.
+struct Work<'a> {
+    seg: &'a Segment,
+    buf: Vec<u8>,
+    done: Option<(usize, Completion)>,
+    out: Option<CoreResult<Option<(usize, Sample)>>>,
+}
+
+/// A completed request's buffer as a sample: handed to `emit` (None returned) or returned.
+fn finish(g: Geometry, c: Completion, data: Vec<u8>, emit: Option<Emit<'_>>) -> CoreResult<Option<Sample>> {
+    let n = c.token_ids.len();
+    ensure!(
+        data.len() == n * g.slots * g.row_bytes(),
+        ShapeContract,
+        "{}: assembled {} bytes, expected [{n}, {}, {}] {}",
+        c.sample,
+        data.len(),
+        g.slots,
+        g.width,
+        g.dtype
+    );
+    let sample = Sample { key: c.sample, req_id: c.req_id, token_ids: c.token_ids, data, rows: n, slots: g.slots, width: g.width, dtype: g.dtype };
+    match emit {
+        Some(f) => f(sample).map(|()| None),
+        None => Ok(Some(sample)),
+    }
+}
+
+/// Copies one segment and, if its request is complete, finishes the sample.
+fn work_one(w: &mut Work<'_>, rows: &dyn StepRows, g: Geometry, emit: Option<Emit<'_>>) {
+    scatter_segment(w.seg, &mut w.buf, rows, g.slots, g.row_bytes());
+    if let Some((i, c)) = w.done.take() {
+        let data = std::mem::take(&mut w.buf);
+        w.out = Some(finish(g, c, data, emit).map(|s| s.map(|s| (i, s))));
+    }
+}
+
+/// Scatters a step's segments, in parallel over requests (each segment writes only its own
+/// request's buffer) when the step is large.
+fn scatter_all(work: &mut [Work<'_>], rows: &(dyn StepRows + Sync), g: Geometry, emit: Option<Emit<'_>>) {
+    let bytes: usize = work.iter().map(|w| w.seg.len).sum::<usize>() * g.slots * g.row_bytes();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8).min(work.len());
+    if threads <= 1 || bytes < (8 << 20) {
+        work.iter_mut().for_each(|w| work_one(w, rows, g, emit));
+        return;
+    }
+    let per = work.len().div_ceil(threads);
+    std::thread::scope(|sc| {
+        for chunk in work.chunks_mut(per) {
+            sc.spawn(move || chunk.iter_mut().for_each(|w| work_one(w, rows, g, emit)));
+        }
+    });
+}
+
 pub struct Scatter {
     geo: Geometry,
     bufs: HashMap<String, Vec<u8>>,
@@ -96,25 +154,49 @@ impl Scatter {
         self.update_held();
     }
 
-    /// Runs one step's job against that step's rows; returns the completed samples.
-    pub fn run(&mut self, job: ScatterJob, rows: &(dyn StepRows + Sync)) -> CoreResult<Vec<Sample>> {
-        self.scatter(&job.segments, rows);
+    /// Runs one step's job against that step's rows. A request completed by this step becomes a
+    /// sample as soon as its rows are copied, on whichever scatter thread copied them: handed to
+    /// `emit` there (the writer, which so starts while the rest of the step is still copied), or,
+    /// without `emit`, returned in the job's completion order.
+    pub fn run(&mut self, job: ScatterJob, rows: &(dyn StepRows + Sync), emit: Option<Emit<'_>>) -> CoreResult<Vec<Sample>> {
         let g = self.geo;
-        let mut out = Vec::with_capacity(job.completions.len());
-        for c in job.completions {
+        let mut completing: HashMap<String, (usize, Completion)> =
+            job.completions.into_iter().enumerate().map(|(i, c)| (c.req_id.clone(), (i, c))).collect();
+        let mut work: Vec<Work<'_>> = job
+            .segments
+            .iter()
+            .map(|seg| {
+                let buf = self.bufs.remove(&seg.req_id).unwrap_or_else(|| self.pool.get(seg.prompt_len * g.slots * g.row_bytes()));
+                Work { seg, buf, done: completing.remove(&seg.req_id), out: None }
+            })
+            .collect();
+        scatter_all(&mut work, rows, g, emit);
+        let mut kept = Vec::new();
+        let mut first_err = None;
+        for w in work {
+            match w.out {
+                Some(Ok(Some(sample))) => kept.push(sample),
+                Some(Ok(None)) => {}
+                Some(Err(e)) => {
+                    first_err.get_or_insert(e);
+                }
+                None => {
+                    self.bufs.insert(w.seg.req_id.clone(), w.buf);
+                }
+            }
+        }
+        // A request completed without rows in this step (none in practice: its last rows complete it).
+        let mut rest: Vec<(usize, Completion)> = completing.into_values().collect();
+        rest.sort_by_key(|(i, _)| *i);
+        for (i, c) in rest {
             let data = self.bufs.remove(&c.req_id).unwrap_or_default();
-            let n = c.token_ids.len();
-            ensure!(
-                data.len() == n * g.slots * g.row_bytes(),
-                ShapeContract,
-                "{}: assembled {} bytes, expected [{n}, {}, {}] {}",
-                c.sample,
-                data.len(),
-                g.slots,
-                g.width,
-                g.dtype
-            );
-            out.push(Sample { key: c.sample, req_id: c.req_id, token_ids: c.token_ids, data, rows: n, slots: g.slots, width: g.width, dtype: g.dtype });
+            match finish(g, c, data, emit) {
+                Ok(Some(sample)) => kept.push((i, sample)),
+                Ok(None) => {}
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
         }
         for r in &job.discard {
             if let Some(b) = self.bufs.remove(r) {
@@ -122,40 +204,14 @@ impl Scatter {
             }
         }
         self.update_held();
-        Ok(out)
-    }
-
-    /// Scatters a step's rows into the requests' buffers, in parallel over requests (each segment
-    /// writes only its own request's buffer) when the step is large.
-    fn scatter(&mut self, segments: &[Segment], rows: &(dyn StepRows + Sync)) {
-        let (slots, rb) = (self.geo.slots, self.geo.row_bytes());
-        let mut work: Vec<(&Segment, Vec<u8>)> = segments
-            .iter()
-            .map(|seg| {
-                let buf = self.bufs.remove(&seg.req_id).unwrap_or_else(|| self.pool.get(seg.prompt_len * slots * rb));
-                (seg, buf)
-            })
-            .collect();
-        let bytes: usize = segments.iter().map(|s| s.len).sum::<usize>() * slots * rb;
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8).min(work.len());
-        if threads <= 1 || bytes < (8 << 20) {
-            for (seg, buf) in &mut work {
-                scatter_segment(seg, buf, rows, slots, rb);
-            }
-        } else {
-            let per = work.len().div_ceil(threads);
-            std::thread::scope(|sc| {
-                for chunk in work.chunks_mut(per) {
-                    sc.spawn(move || {
-                        for (seg, buf) in chunk.iter_mut() {
-                            scatter_segment(seg, buf, rows, slots, rb);
-                        }
-                    });
-                }
-            });
+        if let Some(e) = first_err {
+            return Err(e);
         }
-        for (seg, buf) in work {
-            self.bufs.insert(seg.req_id.clone(), buf);
-        }
+        kept.sort_by_key(|(i, _)| *i);
+        Ok(kept.into_iter().map(|(_, s)| s).collect())
     }
 }
+
+#[cfg(test)]
+#[path = "tests/scatter.rs"]
+mod tests;

@@ -108,8 +108,8 @@ impl Session {
         match &mut self.scattering {
             Scattering::Inline(sc) => {
                 let r = match &buf {
-                    Some(b) => sc.run(job, b.as_rows()),
-                    None => sc.run(job, &self.arena),
+                    Some(b) => sc.run(job, b.as_rows(), None),
+                    None => sc.run(job, &self.arena, None),
                 };
                 if let (Some(b), Some(dev)) = (buf, self.device.as_mut()) {
                     dev.recycle(b)?;

@@ -83,6 +83,7 @@ class WorkerCapture:
 
             self.link = StageLink(session, pp_size, pp_rank, tp.rank, local, len(points))
         self.device_path = "host" if pp_size > 1 and torch.cuda.is_available() else self._enable_device(vc)
+        self._agree_on_path()
         self._install_hooks(vc, layers, points, compiled)
         log.info("hscapture: capturing %s ids %s at %s (%d hooks%s), tp rank %d/%d, pp rank %d/%d, writer=%s",
                  cfg.convention, self.layer_ids, name, len(self.handles), ", traced into torch.compile" if compiled else "",
@@ -152,7 +153,7 @@ class WorkerCapture:
 
         preload_nvrtc()
         rows = int(vc.scheduler_config.max_num_batched_tokens)
-        overlap = bool(envs.get("HSCAPTURE_DEVICE_OVERLAP"))
+        overlap = self._overlap = bool(envs.get("HSCAPTURE_DEVICE_OVERLAP"))
         try:
             # The assembler's ring (ranks that only verify need one buffer), plus the step in flight.
             ring = ((_assembly_ring() if self.session.background else 0) or 1) + int(overlap)
@@ -168,6 +169,27 @@ class WorkerCapture:
                  "overlapped" if overlap else "collected when the next begins")
         return "device"
 
+    _PATHS = ("none", "host", "device")
+
+    def _agree_on_path(self) -> None:
+        """Every TP rank must capture the same way: device steps are accounted later than host steps
+        (and later still with overlap), so ranks on different paths would compare the checksums of
+        different steps, or wait for each other forever at the end. Refused at start-up, naming ranks."""
+        if self.tp.size <= 1:
+            return
+        overlap = self.device_path == "device" and bool(self._overlap)
+        mine = self._PATHS.index(self.device_path) * 2 + int(overlap)
+        codes = self.tp.all_gather_i64(mine)
+        if len(set(codes)) == 1:
+            return
+        seen = [f"rank {r}: {self._PATHS[c // 2]}{' (overlapped steps)' if c % 2 else ''}" for r, c in enumerate(codes)]
+        raise CompatibilityError(
+            f"the tensor-parallel ranks capture in different ways ({'; '.join(seen)}); expected the same path on "
+            "every rank, since each path accounts steps at different calls and the cross-rank check would compare "
+            "different steps. A rank that fell back to host copies logged why (its CUDA capture path is unavailable); "
+            "fix that, or set HSCAPTURE_DEVICE_PATH=off (and the same HSCAPTURE_DEVICE_OVERLAP) for every rank"
+        )
+
     def _init_state(self, cfg: CaptureConfig, session: Any, tp: Any, model_runner: Any, global_rank: int,
                     writer: bool | None = None) -> None:
         """Everything but vLLM: the parts tests assemble without an engine."""
@@ -178,6 +200,7 @@ class WorkerCapture:
         self.writer_rank = tp.rank == 0 if writer is None else writer
         self.link: Any = None
         self.drain_seconds: dict[str, float] = {}
+        self._overlap = False
         self.model_runner = model_runner
         self.order = vllm_compat.RunnerOrder(model_runner) if model_runner is not None else None
         self._scheduled: dict[str, int] = {}

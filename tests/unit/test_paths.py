@@ -1,0 +1,44 @@
+"""Every tensor-parallel rank must capture the same way (device steps are accounted later than host
+steps): a rank that fell back to host copies is refused at start-up, naming the ranks."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from hscapture import CompatibilityError, _native
+from hscapture.capture import WorkerCapture
+from hscapture.config import CaptureConfig
+
+
+class PeersTP:
+    """Rank 0 of a group whose other ranks report `peers` (the all-gather of the path codes)."""
+
+    def __init__(self, peers):
+        self.size, self.rank, self.peers = 1 + len(peers), 0, peers
+
+    def all_gather_i64(self, v):
+        return [v, *self.peers]
+
+
+def capture(tp, path, overlap=False):
+    cap = object.__new__(WorkerCapture)
+    session = _native.CaptureSession([1], "after", 4, 8, "float32", "float32", assemble=True)
+    cap._init_state(CaptureConfig(layers=(1,), convention="after"), session, tp, SimpleNamespace(input_batch=SimpleNamespace(num_reqs=0, req_ids=[])), 0)
+    cap.device_path, cap._overlap = path, overlap
+    return cap
+
+
+def code(path, overlap=False):
+    return WorkerCapture._PATHS.index(path) * 2 + int(overlap and path == "device")
+
+
+def test_ranks_on_the_same_path_agree():
+    capture(PeersTP([code("device", True)] * 3), "device", True)._agree_on_path()
+    capture(PeersTP([code("none")]), "none", True)._agree_on_path()  # overlap means nothing without the device path
+    capture(SimpleNamespace(size=1, rank=0), "host")._agree_on_path()
+
+
+@pytest.mark.parametrize("peer,why", [(code("host"), r"rank 1: host"), (code("device", False), r"rank 1: device\)")])
+def test_a_rank_on_another_path_is_refused_by_name(peer, why):
+    with pytest.raises(CompatibilityError, match=rf"rank 0: device \(overlapped steps\); {why}.*HSCAPTURE_DEVICE_PATH=off"):
+        capture(PeersTP([peer]), "device", True)._agree_on_path()

@@ -33,8 +33,9 @@ if __name__ == "__main__":
     if mode.startswith("hscapture"):
         kw["worker_cls"] = "hscapture.worker.CaptureWorker"
         kw["additional_config"] = {"hscapture": {"layers": ids, "convention": "after", "out": out,
-                                                 "durable": mode == "hscapture_durable", "writer_threads": 8,
-                                                 "writer_queue": 64}}
+                                                 "durable": mode == "hscapture_durable", "writer_queue": 64}}
+        if os.environ.get("HSBENCH_WRITERS"):  # default: hscapture's own (one thread per core, 4 to 16)
+            kw["additional_config"]["hscapture"]["writer_threads"] = int(os.environ["HSBENCH_WRITERS"])
     elif mode == "python":
         os.environ["HSBENCH_LAYERS"], os.environ["HSBENCH_OUT"] = layers, out
         kw["worker_cls"] = "py_capture_worker.PyCaptureWorker"

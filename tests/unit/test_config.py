@@ -81,3 +81,18 @@ def test_on_nonfinite_is_error_by_default_and_skip_on_request(monkeypatch):
     monkeypatch.delenv("HSCAPTURE_ON_NONFINITE")
     with pytest.raises(ConfigError, match="on_nonfinite='drop' is not valid; expected \"error\""):
         from_sources({"hscapture": {**base, "on_nonfinite": "drop"}})
+
+
+def test_writer_threads_default_to_one_per_core_within_4_to_16(monkeypatch):
+    import os
+
+    base = {"layers": [1], "convention": "after"}
+    for cores, want in [(2, 4), (8, 8), (16, 16), (128, 16), (None, 4)]:
+        monkeypatch.setattr(os, "cpu_count", lambda c=cores: c)
+        assert from_sources({"hscapture": base}).writer_threads == want, cores
+        assert from_sources({"hscapture": {**base, "writer_threads": "auto"}}).writer_threads == want
+    monkeypatch.setenv("HSCAPTURE_WRITER_THREADS", "3")
+    assert from_sources({"hscapture": base}).writer_threads == 3
+    monkeypatch.setenv("HSCAPTURE_WRITER_THREADS", "many")
+    with pytest.raises(ConfigError, match=r'HSCAPTURE_WRITER_THREADS: writer_threads=.many. is not valid; expected a positive integer or "auto"'):
+        from_sources({"hscapture": base})

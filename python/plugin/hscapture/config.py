@@ -28,6 +28,16 @@ _EXTRA_KEYS = {"model_name"}
 _DTYPES = {"auto", "float32", "bfloat16", "float16"}
 
 
+def default_writer_threads() -> int:
+    """One writer thread per CPU core, 4 to 16. At the end of a run the last step's samples (512 MiB for
+    the Llama-8B shape, 940 MiB for DeepSeek-V3) are written after the last forward; on the H200 host
+    (16 cores) 16 threads took that wait from 134 to 29 ms for DeepSeek-V3 (docs/benchmarks.md). In a
+    run's steady state the threads mostly wait."""
+    import os
+
+    return max(4, min(16, os.cpu_count() or 4))
+
+
 @dataclass(frozen=True)
 class CaptureConfig:
     """What to capture and where to put it, before the model is known."""
@@ -36,7 +46,7 @@ class CaptureConfig:
     convention: str
     out: str | None = None
     dtype: str = "auto"
-    writer_threads: int = 4
+    writer_threads: int = field(default_factory=default_writer_threads)
     writer_queue: int = 8
     durable: bool = True
     on_nonfinite: str = "error"
@@ -75,6 +85,8 @@ def _coerce(key: str, value: Any, where: str):
             if not 0 <= v <= 22:
                 raise ValueError
             return v
+        if key == "writer_threads" and isinstance(value, str) and value.strip().lower() == "auto":
+            return default_writer_threads()
         if key in ("writer_threads", "writer_queue"):
             v = int(value)
             if v < 1:
@@ -106,7 +118,7 @@ def _coerce(key: str, value: Any, where: str):
             "layers": "a list of integer layer ids such as [2, 4, 5]",
             "convention": '"after" or "before"',
             "dtype": "auto, float32, bfloat16 or float16",
-            "writer_threads": "a positive integer",
+            "writer_threads": 'a positive integer or "auto" (one per CPU core, 4 to 16)',
             "writer_queue": "a positive integer",
             "compress": "0 (store states as they are) or a zstd level 1..22 (byte-plane split + zstd; 3 is a good default)",
             "on_nonfinite": '"error" (default: a NonFiniteError naming sample, layer and count) or "skip" (the sample is '

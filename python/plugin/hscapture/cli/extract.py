@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import _native, failures, runtime_env
-from ..config import CaptureConfig
+from ..config import CaptureConfig, default_writer_threads
 from ..errors import CompatibilityError, ConfigError, OutputError
 from ..outlock import OutputLock
 from ..patches import apply_driver_shims
@@ -47,7 +47,7 @@ class ExtractOptions:
     max_model_len: int | None = None
     overwrite: bool = False
     resume: bool = False
-    writer_threads: int = 4
+    writer_threads: int = field(default_factory=default_writer_threads)
     durable: bool = True
     progress: bool = True  # a bar; False: plain log lines every `log_every` seconds (0: none)
     log_every: float = 0.0

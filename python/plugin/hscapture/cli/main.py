@@ -56,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--overwrite", action="store_true", help="replace an existing capture in --out")
     ex.add_argument("--resume", action="store_true",
                     help="continue an earlier run in --out: its finished samples are kept, the rest captured")
-    ex.add_argument("--writer-threads", type=int, default=4)
+    ex.add_argument("--writer-threads", type=int, default=None, help="threads writing files (default: one per CPU core, 4 to 16)")
     ex.add_argument("--no-fsync", action="store_true", help="do not fsync files before declaring them done")
     ex.add_argument("--compile", action="store_true",
                     help="let vLLM run the model through torch.compile (the capture is traced into its graph); verified on "
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "extract":
             quiet_vllm()
-            from .extract import ExtractOptions, run_extract
+            from .extract import ExtractOptions, default_writer_threads, run_extract
             from .inputs import open_input
 
             tty = sys.stdout.isatty()
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 model=args.model, prompts=open_input(args.input, args.model, args.tokenizer), out=args.out,
                 convention=args.convention, layers=args.layers, tp=args.tp, pp=args.pp, on_nonfinite=args.on_nonfinite, compress=args.compress, dtype=args.dtype, store_dtype=args.store_dtype,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                overwrite=args.overwrite, resume=args.resume, writer_threads=args.writer_threads,
+                overwrite=args.overwrite, resume=args.resume, writer_threads=args.writer_threads or default_writer_threads(),
                 durable=not args.no_fsync, progress=tty, log_every=0.0 if tty else args.log_every, format=args.format,
                 shard=args.shard, executor=args.executor, input_path=str(Path(args.input).resolve()), compile=args.compile))
             for line in rep.lines():

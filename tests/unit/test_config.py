@@ -87,10 +87,13 @@ def test_writer_threads_default_to_one_per_core_within_4_to_16(monkeypatch):
     import os
 
     base = {"layers": [1], "convention": "after"}
-    for cores, want in [(2, 4), (8, 8), (16, 16), (128, 16), (None, 4)]:
-        monkeypatch.setattr(os, "cpu_count", lambda c=cores: c)
+    for cores, want in [(2, 4), (8, 8), (16, 16), (128, 16)]:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, c=cores: set(range(c)), raising=False)
         assert from_sources({"hscapture": base}).writer_threads == want, cores
         assert from_sources({"hscapture": {**base, "writer_threads": "auto"}}).writer_threads == want
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert from_sources({"hscapture": base}).writer_threads == 4
     monkeypatch.setenv("HSCAPTURE_WRITER_THREADS", "3")
     assert from_sources({"hscapture": base}).writer_threads == 3
     monkeypatch.setenv("HSCAPTURE_WRITER_THREADS", "many")

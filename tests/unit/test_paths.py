@@ -42,3 +42,16 @@ def test_ranks_on_the_same_path_agree():
 def test_a_rank_on_another_path_is_refused_by_name(peer, why):
     with pytest.raises(CompatibilityError, match=rf"rank 0: device \(overlapped steps\); {why}.*HSCAPTURE_DEVICE_PATH=off"):
         capture(PeersTP([peer]), "device", True)._agree_on_path()
+
+
+def test_a_rank_whose_set_up_failed_still_meets_the_others():
+    from hscapture import ConfigError
+
+    tp = PeersTP([code("device", True)])
+    gathered = []
+    tp.all_gather_i64 = lambda v: gathered.append(v) or [v, code("device", True)]
+    with pytest.raises(ConfigError, match="its own reason"):
+        capture(tp, "failed")._agree_on_path(ConfigError("its own reason"))
+    assert gathered == [code("failed")], "the failed rank took part in the gather"
+    with pytest.raises(CompatibilityError, match=r"rank\(s\) \[1\] could not set up their capture path"):
+        capture(PeersTP([code("failed")]), "device", True)._agree_on_path()

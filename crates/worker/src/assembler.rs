@@ -84,8 +84,15 @@ fn run(rx: Receiver<Msg>, back: Sender<StepBuffer>, ready: Arc<Mutex<Ready>>, mu
                 let step = job.step;
                 // With a sink, each sample goes to the writer as soon as its rows are copied (from the
                 // scatter thread that copied them), so writing starts while the step is still copied.
+                // A full writer queue does not hold the step buffer: those samples wait in `overflow`.
+                let overflow = Mutex::new(Vec::new());
                 let submit = |s: Sample| match &sink {
-                    Some(w) => w.submit(s),
+                    Some(w) => {
+                        if let Some(s) = w.try_submit(s)? {
+                            overflow.lock().unwrap_or_else(|p| p.into_inner()).push(s);
+                        }
+                        Ok(())
+                    }
                     None => Ok(()),
                 };
                 let emit: Option<crate::scatter::Emit<'_>> = if sink.is_some() { Some(&submit) } else { None };
@@ -93,6 +100,11 @@ fn run(rx: Receiver<Msg>, back: Sender<StepBuffer>, ready: Arc<Mutex<Ready>>, mu
                     .unwrap_or_else(|_| Err(core_err!(Output, "step {step}: the assembler thread panicked while copying rows")));
                 // The worker may be waiting for this buffer; it gets it back even after an error.
                 let _ = back.send(buf);
+                let late = overflow.into_inner().unwrap_or_else(|p| p.into_inner());
+                let r = match (r, &sink) {
+                    (Ok(samples), Some(w)) => late.into_iter().try_for_each(|s| w.submit(s)).map(|()| samples),
+                    (r, _) => r,
+                };
                 let mut g = lock(&ready);
                 match r {
                     Ok(samples) => g.samples.extend(samples),

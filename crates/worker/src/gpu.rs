@@ -322,16 +322,17 @@ impl DeviceBackend for CudaDevice {
     }
 
     fn wait(&mut self) -> CoreResult<Box<dyn HostStep>> {
-        let Some(&i) = self.flight.front() else {
+        // The step leaves the queue whatever happens next, as the session's pending step did: the two
+        // queues stay paired, and on failure the buffer goes back to the free list unread (so the ring
+        // never loses a buffer).
+        let Some(i) = self.flight.pop_front() else {
             bail!(Compatibility, "no device step to collect: `end_step` was not called");
         };
-        self.kernel.bind().map_err(kerr)?;
         let ev = self.copies_done[i];
-        // SAFETY: the event was recorded by `end_step` on the copy stream.
-        let synced = guarded("cuEventSynchronize", || unsafe { drv("cuEventSynchronize", cu::event::synchronize(ev)) });
-        // Whatever happened, the step is over: on failure its buffer goes back to the free list
-        // unread (so the ring never loses a buffer).
-        self.flight.pop_front();
+        let synced = self.kernel.bind().and_then(|()| {
+            // SAFETY: the event was recorded by `end_step` on the copy stream.
+            guarded("cuEventSynchronize", || unsafe { drv("cuEventSynchronize", cu::event::synchronize(ev)) })
+        });
         if let Err(e) = synced {
             self.free.push(i);
             return Err(kerr(e));

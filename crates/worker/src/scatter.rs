@@ -127,6 +127,8 @@ fn scatter_all(work: &mut [Work<'_>], rows: &(dyn StepRows + Sync), g: Geometry,
 pub struct Scatter {
     geo: Geometry,
     bufs: HashMap<String, Vec<u8>>,
+    /// Rows written so far into each held buffer (its prompt's prefix `0..n`).
+    filled: HashMap<String, usize>,
     pool: Arc<BufferPool>,
     /// Bytes held by requests in progress (read by the session from any thread).
     held: Arc<AtomicUsize>,
@@ -134,7 +136,7 @@ pub struct Scatter {
 
 impl Scatter {
     pub fn new(geo: Geometry, pool: Arc<BufferPool>) -> Scatter {
-        Scatter { geo, bufs: HashMap::new(), pool, held: Arc::new(AtomicUsize::new(0)) }
+        Scatter { geo, bufs: HashMap::new(), filled: HashMap::new(), pool, held: Arc::new(AtomicUsize::new(0)) }
     }
 
     /// A counter of the bytes held by requests whose prompt is not complete yet.
@@ -148,10 +150,53 @@ impl Scatter {
 
     /// Drops a request's partial sample (it ended before its prompt was complete).
     pub fn drop_request(&mut self, req_id: &str) {
+        self.filled.remove(req_id);
         if let Some(b) = self.bufs.remove(req_id) {
             self.pool.put(b);
         }
         self.update_held();
+    }
+
+    /// Rows written so far for `req_id` (0 without a held buffer).
+    fn rows_held(&self, req_id: &str) -> usize {
+        if self.bufs.contains_key(req_id) {
+            self.filled.get(req_id).copied().unwrap_or(0)
+        } else {
+            0
+        }
+    }
+
+    /// Checks that the job keeps every request's rows a prefix of its prompt and completes only whole
+    /// prompts. Attribution guarantees both (plan.rs); they are checked again here, before anything is
+    /// copied, because recycled buffers are not zeroed: a request whose earlier rows were lost (a failed
+    /// step, a panic on this thread) would otherwise be written with another sample's bytes in the gap.
+    fn check_prefixes(&self, job: &ScatterJob) -> CoreResult<()> {
+        let mut after: HashMap<&str, usize> = HashMap::new();
+        for seg in &job.segments {
+            let have = after.get(seg.req_id.as_str()).copied().unwrap_or_else(|| self.rows_held(&seg.req_id));
+            ensure!(
+                seg.dst_pos <= have && seg.dst_pos + seg.len <= seg.prompt_len,
+                Attribution,
+                "{}: prompt rows {}..{} of {} arrived with {have} rows before them; the request's rows would have a \
+                 gap (an earlier step's rows were lost)",
+                seg.sample,
+                seg.dst_pos,
+                seg.dst_pos + seg.len,
+                seg.prompt_len
+            );
+            after.insert(&seg.req_id, seg.dst_pos + seg.len);
+        }
+        for c in &job.completions {
+            let have = after.get(c.req_id.as_str()).copied().unwrap_or_else(|| self.rows_held(&c.req_id));
+            ensure!(
+                have == c.token_ids.len(),
+                Attribution,
+                "{}: completed with {have} of its {} prompt rows copied; an earlier step's rows were lost",
+                c.sample,
+                c.token_ids.len()
+            );
+        }
+        Ok(())
     }
 
     /// Runs one step's job against that step's rows. A request completed by this step becomes a
@@ -160,12 +205,14 @@ impl Scatter {
     /// without `emit`, returned in the job's completion order.
     pub fn run(&mut self, job: ScatterJob, rows: &(dyn StepRows + Sync), emit: Option<Emit<'_>>) -> CoreResult<Vec<Sample>> {
         let g = self.geo;
+        self.check_prefixes(&job)?;
         let mut completing: HashMap<String, (usize, Completion)> =
             job.completions.into_iter().enumerate().map(|(i, c)| (c.req_id.clone(), (i, c))).collect();
         let mut work: Vec<Work<'_>> = job
             .segments
             .iter()
             .map(|seg| {
+                self.filled.remove(&seg.req_id);
                 let buf = self.bufs.remove(&seg.req_id).unwrap_or_else(|| self.pool.get(seg.prompt_len * g.slots * g.row_bytes()));
                 Work { seg, buf, done: completing.remove(&seg.req_id), out: None }
             })
@@ -181,6 +228,7 @@ impl Scatter {
                     first_err.get_or_insert(e);
                 }
                 None => {
+                    self.filled.insert(w.seg.req_id.clone(), w.seg.dst_pos + w.seg.len);
                     self.bufs.insert(w.seg.req_id.clone(), w.buf);
                 }
             }
@@ -190,6 +238,7 @@ impl Scatter {
         rest.sort_by_key(|(i, _)| *i);
         for (i, c) in rest {
             let data = self.bufs.remove(&c.req_id).unwrap_or_default();
+            self.filled.remove(&c.req_id);
             match finish(g, c, data, emit) {
                 Ok(Some(sample)) => kept.push((i, sample)),
                 Ok(None) => {}
@@ -199,6 +248,7 @@ impl Scatter {
             }
         }
         for r in &job.discard {
+            self.filled.remove(r);
             if let Some(b) = self.bufs.remove(r) {
                 self.pool.put(b);
             }

@@ -123,6 +123,9 @@ pub struct Session {
     pending: std::collections::VecDeque<Pending>,
     /// Device steps left in flight when the next step begins (0 or 1).
     keep_in_flight: usize,
+    /// The first failure to collect a device step: its rows (and any drops after it) are lost, so the
+    /// session refuses every later step rather than write requests with gaps.
+    broken: Option<crate::CoreError>,
     aborted: Vec<Aborted>,
 }
 
@@ -150,6 +153,7 @@ impl Session {
             on_device: false,
             pending: std::collections::VecDeque::new(),
             keep_in_flight: 0,
+            broken: None,
             aborted: Vec::new(),
         })
     }
@@ -328,9 +332,25 @@ impl Session {
     }
 
     fn collect_device_steps(&mut self, keep: usize) -> CoreResult<Vec<StepOutcome>> {
+        if let Some(e) = &self.broken {
+            return Err(crate::CoreError {
+                kind: e.kind,
+                message: format!(
+                    "an earlier device step could not be collected, so this session captures nothing more (its \
+                     requests would have gaps); the first failure: {}",
+                    e.message
+                ),
+            });
+        }
         let mut outs = Vec::new();
         while self.pending.len() > keep {
-            outs.push(self.collect_device_step()?);
+            match self.collect_device_step() {
+                Ok(o) => outs.push(o),
+                Err(e) => {
+                    self.broken = Some(e.clone());
+                    return Err(e);
+                }
+            }
         }
         Ok(outs)
     }

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
-use crossbeam_channel::{bounded, Sender};
+use crossbeam_channel::{bounded, Sender, TrySendError};
 use serde::{Deserialize, Serialize};
 
 use crate::plan::SampleKey;
@@ -123,6 +123,22 @@ fn first_error(state: &State) -> CoreResult<()> {
 }
 
 impl Submitter {
+    /// Queues a sample if the queue has room; gives it back when the queue is full.
+    pub fn try_submit(&self, sample: Sample) -> CoreResult<Option<Sample>> {
+        first_error(&self.state)?;
+        self.state.submitted.fetch_add(1, Ordering::SeqCst);
+        match self.tx.try_send(sample) {
+            Ok(()) => Ok(None),
+            Err(e) => {
+                self.state.submitted.fetch_sub(1, Ordering::SeqCst);
+                match e {
+                    TrySendError::Full(s) => Ok(Some(s)),
+                    TrySendError::Disconnected(_) => Err(core_err!(Output, "the writer has stopped; no more samples can be written")),
+                }
+            }
+        }
+    }
+
     /// Queues a sample; blocks while the queue is full (backpressure). Reports an earlier failed write.
     pub fn submit(&self, sample: Sample) -> CoreResult<()> {
         first_error(&self.state)?;

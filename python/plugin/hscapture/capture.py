@@ -82,8 +82,12 @@ class WorkerCapture:
             from .pipeline import StageLink
 
             self.link = StageLink(session, pp_size, pp_rank, tp.rank, local, len(points))
-        self.device_path = "host" if pp_size > 1 and torch.cuda.is_available() else self._enable_device(vc)
-        self._agree_on_path()
+        failure: HscaptureError | None = None
+        try:
+            self.device_path = "host" if pp_size > 1 and torch.cuda.is_available() else self._enable_device(vc)
+        except HscaptureError as e:  # reported after the ranks compared paths, so that none waits for this one
+            self.device_path, failure = "failed", e
+        self._agree_on_path(failure)
         self._install_hooks(vc, layers, points, compiled)
         log.info("hscapture: capturing %s ids %s at %s (%d hooks%s), tp rank %d/%d, pp rank %d/%d, writer=%s",
                  cfg.convention, self.layer_ids, name, len(self.handles), ", traced into torch.compile" if compiled else "",
@@ -169,17 +173,28 @@ class WorkerCapture:
                  "overlapped" if overlap else "collected when the next begins")
         return "device"
 
-    _PATHS = ("none", "host", "device")
+    _PATHS = ("none", "host", "device", "failed")
 
-    def _agree_on_path(self) -> None:
+    def _agree_on_path(self, failure: HscaptureError | None = None) -> None:
         """Every TP rank must capture the same way: device steps are accounted later than host steps
         (and later still with overlap), so ranks on different paths would compare the checksums of
-        different steps, or wait for each other forever at the end. Refused at start-up, naming ranks."""
+        different steps, or wait for each other forever at the end. Refused at start-up, naming ranks.
+        A rank whose set-up failed (``failure``) still takes part, so that no rank waits for it."""
         if self.tp.size <= 1:
+            if failure is not None:
+                raise failure
             return
         overlap = self.device_path == "device" and bool(self._overlap)
         mine = self._PATHS.index(self.device_path) * 2 + int(overlap)
         codes = self.tp.all_gather_i64(mine)
+        failed = [r for r, c in enumerate(codes) if self._PATHS[c // 2] == "failed"]
+        if failure is not None:
+            raise failure
+        if failed:
+            raise CompatibilityError(
+                f"tensor-parallel rank(s) {failed} could not set up their capture path (their logs say why); "
+                "expected every rank to start, so this rank stops too"
+            )
         if len(set(codes)) == 1:
             return
         seen = [f"rank {r}: {self._PATHS[c // 2]}{' (overlapped steps)' if c % 2 else ''}" for r, c in enumerate(codes)]
@@ -381,13 +396,18 @@ class WorkerCapture:
         return [torch.cat([layers[r][k] for r in order], dim=0) for k in range(len(self.layer_ids))]
 
     def close(self) -> None:
-        if self.link is not None:
-            self.link.close()
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-        self._deactivate()
-        self.session.finish()
+        """Assembles the steps still in flight (with overlapped device steps there is one), then releases
+        the hooks and the session; an error of the flush is raised after the release."""
+        try:
+            self.flush()
+        finally:
+            if self.link is not None:
+                self.link.close()
+            for h in self.handles:
+                h.remove()
+            self.handles = []
+            self._deactivate()
+            self.session.finish()
 
     def _deactivate(self) -> None:
         if self._traced:

@@ -35,7 +35,11 @@ def default_writer_threads() -> int:
     run's steady state the threads mostly wait."""
     import os
 
-    return max(4, min(16, os.cpu_count() or 4))
+    try:
+        cores = len(os.sched_getaffinity(0))  # the cores this process may use (affinity, cgroup cpusets)
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 4
+    return max(4, min(16, cores))
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ fn a_sample_completes_through_the_thread() {
 #[test]
 fn an_error_on_the_thread_is_reported_and_the_buffer_still_comes_back() {
     let a = assembler();
-    // A completion whose rows were never scattered: the size check fails on the thread.
+    // A completion whose rows were never scattered: the prefix check fails on the thread.
     let job = ScatterJob {
         step: 4,
         completions: vec![Completion { req_id: "ghost".into(), sample: SampleKey::Index(9), token_ids: vec![1, 2] }],
@@ -51,7 +51,7 @@ fn an_error_on_the_thread_is_reported_and_the_buffer_still_comes_back() {
     a.submit(job, StepBuffer::Arena(arena(1))).unwrap();
     assert!(a.returned(true).is_some(), "the buffer comes back after the error");
     let e = a.fence().unwrap_err();
-    assert!(e.message.contains("sample 9: assembled 0 bytes"), "{e}");
+    assert!(e.message.contains("sample 9: completed with 0 of its 2 prompt rows copied"), "{e}");
     assert!(a.take_ready().is_err(), "the first error stays reported");
 }
 

@@ -118,3 +118,27 @@ fn overlap_needs_a_ring_of_two() {
     assert_eq!(e.kind, ErrorKind::Config);
     assert!(e.message.contains("at least 2 host buffers"), "{e}");
 }
+
+#[test]
+fn after_a_step_fails_to_be_collected_the_session_captures_nothing_more() {
+    let mut s = session(&[1], true);
+    s.set_device(Box::new(HostDevice::new(1, 64, 2)), true).unwrap();
+    s.begin_step(input(vec![req("a", 9, 0)], vec![], &[("a", 3)])).unwrap();
+    s.plan(&["a".to_string()]).unwrap();
+    let mut h = layer_output(1, 3, 0.0);
+    h[5] = f32::NAN;
+    // SAFETY: `h` lives until the call returns; the stand-in device copies it at once.
+    unsafe { s.capture(0, &on_device(desc(&h, 3)), None, 0).unwrap() };
+    assert!(s.end_step().unwrap().is_empty());
+    // The next step ends: the first is collected now, and its NaN is the error.
+    s.begin_step(input(vec![], vec![cached("a", 3)], &[("a", 3)])).unwrap();
+    s.plan(&["a".to_string()]).unwrap();
+    let h = layer_output(1, 3, 0.0);
+    // SAFETY: as above.
+    unsafe { s.capture(0, &on_device(desc(&h, 3)), None, 0).unwrap() };
+    assert_eq!(s.end_step().unwrap_err().kind, ErrorKind::NonFinite);
+    let e = s.begin_step(input(vec![], vec![cached("a", 6)], &[("a", 3)])).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::NonFinite);
+    assert!(e.message.contains("an earlier device step could not be collected"), "{e}");
+    assert!(s.flush().is_err(), "flush reports it too");
+}

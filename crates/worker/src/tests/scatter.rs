@@ -66,3 +66,37 @@ fn an_emit_error_is_reported_and_the_incomplete_requests_are_kept() {
     assert!(e.message.contains("the writer has stopped"), "{e}");
     assert_eq!(s.bufs.len(), 4, "the requests still in progress are not lost");
 }
+
+#[test]
+fn a_request_whose_earlier_rows_were_lost_is_refused_before_anything_is_copied() {
+    // A 6-row prompt in three steps of 2 rows; the second step's job never reaches the scatter (lost).
+    let rows = {
+        let mut a = Arena::new(2, W, DType::F32);
+        a.reset(2);
+        a
+    };
+    let seg = |dst_pos| Segment { req_id: "a".into(), sample: SampleKey::Index(0), prompt_len: 6, src_row: 0, arena_row: 0, dst_pos, len: 2 };
+    let mut s = scatter();
+    s.run(ScatterJob { step: 1, segments: vec![seg(0)], ..Default::default() }, &rows, None).unwrap();
+    let last = ScatterJob {
+        step: 3,
+        segments: vec![seg(4)],
+        completions: vec![Completion { req_id: "a".into(), sample: SampleKey::Index(0), token_ids: vec![0; 6] }],
+        ..Default::default()
+    };
+    let e = s.run(last.clone(), &rows, None).unwrap_err();
+    assert!(e.message.contains("rows 4..6 of 6 arrived with 2 rows before them"), "{e}");
+    assert_eq!(s.bufs.len(), 1, "nothing was taken out");
+    // A request whose buffer is gone (dropped, or lost with a panicking step) starts again only at row 0.
+    s.drop_request("a");
+    let e = s.run(last, &rows, None).unwrap_err();
+    assert!(e.message.contains("arrived with 0 rows before them"), "{e}");
+    // A completion without all its rows is refused too.
+    let short = ScatterJob {
+        step: 4,
+        segments: vec![seg(0)],
+        completions: vec![Completion { req_id: "a".into(), sample: SampleKey::Index(0), token_ids: vec![0; 6] }],
+        ..Default::default()
+    };
+    assert!(s.run(short, &rows, None).unwrap_err().message.contains("completed with 2 of its 6 prompt rows"));
+}

@@ -73,3 +73,25 @@ fn a_submitter_on_another_thread_counts_for_drain_and_finish() {
     assert_eq!(w.finish().unwrap().len(), 1);
     assert!(w.submitter().is_none(), "a finished writer hands out no submitter");
 }
+
+#[test]
+fn try_submit_gives_a_sample_back_when_the_queue_is_full_and_loses_nothing() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = WriterConfig { root: d.path().into(), threads: 1, queue: 1, durable: false, metadata: HashMap::new(), pool: None, compress: None };
+    let mut w = Writer::start(cfg).unwrap();
+    let sub = w.submitter().unwrap();
+    let mut given_back = 0;
+    for i in 0..200 {
+        if let Some(back) = sub.try_submit(sample(i)).unwrap() {
+            assert_eq!(back.key, SampleKey::Index(i), "the same sample comes back");
+            given_back += 1;
+            sub.submit(back).unwrap();
+        }
+    }
+    drop(sub);
+    w.drain().unwrap(); // returns only if every count of a given-back sample was taken back
+    let mut recs = w.take_records();
+    recs.sort_by_key(|r| r.index);
+    assert_eq!(recs.iter().map(|r| r.index).collect::<Vec<_>>(), (0..200).map(Some).collect::<Vec<Option<u64>>>(), "each written once ({given_back} given back)");
+    w.finish().unwrap();
+}

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 model=args.model, prompts=open_input(args.input, args.model, args.tokenizer), out=args.out,
                 convention=args.convention, layers=args.layers, tp=args.tp, pp=args.pp, on_nonfinite=args.on_nonfinite, compress=args.compress, dtype=args.dtype, store_dtype=args.store_dtype,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                overwrite=args.overwrite, resume=args.resume, writer_threads=args.writer_threads or default_writer_threads(),
+                overwrite=args.overwrite, resume=args.resume, writer_threads=default_writer_threads() if args.writer_threads is None else args.writer_threads,
                 durable=not args.no_fsync, progress=tty, log_every=0.0 if tty else args.log_every, format=args.format,
                 shard=args.shard, executor=args.executor, input_path=str(Path(args.input).resolve()), compile=args.compile))
             for line in rep.lines():

@@ -62,7 +62,8 @@ REGISTRY: dict[str, EnvVar] = {
         EnvVar("HSCAPTURE_HOST_RING", "int", "2",
                "Step buffers in the ring of background assembly (CPU arenas, or the device path's pinned host "
                "buffers, each one step of rows): at least 2. More absorbs bursts of slow assembly, at one "
-               "step's rows of host memory each."),
+               "step's rows of host memory each. The device path adds one pinned buffer for the step in flight "
+               "when steps overlap (`HSCAPTURE_DEVICE_OVERLAP`)."),
         EnvVar("HSCAPTURE_BASE_WORKER", "str", None,
                "Qualified name of the worker class `CaptureWorker` extends, when the platform's default is not wanted."),
         EnvVar("HSCAPTURE_REFERENCE_PATH", "str", None,

@@ -34,8 +34,6 @@ pub trait DeviceBackend: Send + Sync {
     fn free_host(&self) -> usize;
     /// Host buffers in the ring.
     fn ring(&self) -> usize;
-    /// Steps ended and not yet collected by `wait`.
-    fn in_flight(&self) -> usize;
     /// Starts a step of `rows` captured rows per slot, to be computed from the given row runs; takes a
     /// free host buffer (an error if none is). Steps in flight stay in flight.
     fn reset(&mut self, rows: usize, runs: &[RowRun]) -> CoreResult<()>;

@@ -207,10 +207,6 @@ impl DeviceBackend for CudaDevice {
         self.hosts.len()
     }
 
-    fn in_flight(&self) -> usize {
-        self.flight.len()
-    }
-
     fn reset(&mut self, rows: usize, runs: &[RowRun]) -> CoreResult<()> {
         ensure!(rows <= self.capacity, ShapeContract, "{rows} rows exceed the device arena's {} rows", self.capacity);
         if self.cur.is_none() {

@@ -124,11 +124,15 @@ fn scatter_all(work: &mut [Work<'_>], rows: &(dyn StepRows + Sync), g: Geometry,
     });
 }
 
+/// A request in progress: its buffer and how many rows of it are written (its prompt's prefix `0..rows`).
+struct Partial {
+    data: Vec<u8>,
+    rows: usize,
+}
+
 pub struct Scatter {
     geo: Geometry,
-    bufs: HashMap<String, Vec<u8>>,
-    /// Rows written so far into each held buffer (its prompt's prefix `0..n`).
-    filled: HashMap<String, usize>,
+    bufs: HashMap<String, Partial>,
     pool: Arc<BufferPool>,
     /// Bytes held by requests in progress (read by the session from any thread).
     held: Arc<AtomicUsize>,
@@ -136,7 +140,7 @@ pub struct Scatter {
 
 impl Scatter {
     pub fn new(geo: Geometry, pool: Arc<BufferPool>) -> Scatter {
-        Scatter { geo, bufs: HashMap::new(), filled: HashMap::new(), pool, held: Arc::new(AtomicUsize::new(0)) }
+        Scatter { geo, bufs: HashMap::new(), pool, held: Arc::new(AtomicUsize::new(0)) }
     }
 
     /// A counter of the bytes held by requests whose prompt is not complete yet.
@@ -145,25 +149,20 @@ impl Scatter {
     }
 
     fn update_held(&self) {
-        self.held.store(self.bufs.values().map(Vec::len).sum(), Ordering::Relaxed);
+        self.held.store(self.bufs.values().map(|p| p.data.len()).sum(), Ordering::Relaxed);
     }
 
     /// Drops a request's partial sample (it ended before its prompt was complete).
     pub fn drop_request(&mut self, req_id: &str) {
-        self.filled.remove(req_id);
-        if let Some(b) = self.bufs.remove(req_id) {
-            self.pool.put(b);
+        if let Some(p) = self.bufs.remove(req_id) {
+            self.pool.put(p.data);
         }
         self.update_held();
     }
 
     /// Rows written so far for `req_id` (0 without a held buffer).
     fn rows_held(&self, req_id: &str) -> usize {
-        if self.bufs.contains_key(req_id) {
-            self.filled.get(req_id).copied().unwrap_or(0)
-        } else {
-            0
-        }
+        self.bufs.get(req_id).map_or(0, |p| p.rows)
     }
 
     /// Checks that the job keeps every request's rows a prefix of its prompt and completes only whole
@@ -212,8 +211,10 @@ impl Scatter {
             .segments
             .iter()
             .map(|seg| {
-                self.filled.remove(&seg.req_id);
-                let buf = self.bufs.remove(&seg.req_id).unwrap_or_else(|| self.pool.get(seg.prompt_len * g.slots * g.row_bytes()));
+                let buf = match self.bufs.remove(&seg.req_id) {
+                    Some(p) => p.data,
+                    None => self.pool.get(seg.prompt_len * g.slots * g.row_bytes()),
+                };
                 Work { seg, buf, done: completing.remove(&seg.req_id), out: None }
             })
             .collect();
@@ -228,8 +229,7 @@ impl Scatter {
                     first_err.get_or_insert(e);
                 }
                 None => {
-                    self.filled.insert(w.seg.req_id.clone(), w.seg.dst_pos + w.seg.len);
-                    self.bufs.insert(w.seg.req_id.clone(), w.buf);
+                    self.bufs.insert(w.seg.req_id.clone(), Partial { data: w.buf, rows: w.seg.dst_pos + w.seg.len });
                 }
             }
         }
@@ -237,8 +237,7 @@ impl Scatter {
         let mut rest: Vec<(usize, Completion)> = completing.into_values().collect();
         rest.sort_by_key(|(i, _)| *i);
         for (i, c) in rest {
-            let data = self.bufs.remove(&c.req_id).unwrap_or_default();
-            self.filled.remove(&c.req_id);
+            let data = self.bufs.remove(&c.req_id).map(|p| p.data).unwrap_or_default();
             match finish(g, c, data, emit) {
                 Ok(Some(sample)) => kept.push((i, sample)),
                 Ok(None) => {}
@@ -248,9 +247,8 @@ impl Scatter {
             }
         }
         for r in &job.discard {
-            self.filled.remove(r);
-            if let Some(b) = self.bufs.remove(r) {
-                self.pool.put(b);
+            if let Some(p) = self.bufs.remove(r) {
+                self.pool.put(p.data);
             }
         }
         self.update_held();

@@ -257,9 +257,6 @@ impl crate::device::DeviceBackend for HostDevice {
     fn ring(&self) -> usize {
         self.hosts.len()
     }
-    fn in_flight(&self) -> usize {
-        self.flight.len()
-    }
     fn reset(&mut self, rows: usize, runs: &[hscapture_kernels::RowRun]) -> CoreResult<()> {
         if self.cur.is_none() {
             let free = (0..self.hosts.len()).find(|i| self.hosts[*i].is_some() && !self.flight.contains(i));

@@ -323,8 +323,8 @@ class WorkerCapture:
 
     def _assembled(self, outcomes: list) -> None:
         """Steps' data reached the host: compare each checksum across the TP group. Every rank
-        assembles the same steps at the same calls (host steps at their end, device steps when a later
-        one begins: the session's rule depends only on the steps and the configuration)."""
+        assembles the same steps at the same calls (host steps at their end, device steps at a later
+        step's end or begin: the session's rule depends only on the steps and the configuration)."""
         for step, checksum, _rows, _completed in outcomes:
             if self.tp.size > 1:
                 self.session.verify_ranks(step, "tensor-parallel", self.tp.all_gather_i64(checksum))

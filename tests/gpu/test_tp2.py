@@ -29,22 +29,35 @@ def _extract(tmp_path, name, model, ps, tp, **kw):
     return rep, [load_sample(tmp_path / name / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"] for i in range(len(ps))]
 
 
-def test_tp2_equals_tp1_and_divergence_is_named(tmp_path, tiny_model, monkeypatch):
+def _prompts():
+    rng = random.Random(8)
+    return [[rng.randrange(4, 1024) for _ in range(n)] for n in (9, 70, 33, 130, 5)]
+
+
+@pytest.fixture
+def device_env(monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     monkeypatch.setenv("HSCAPTURE_DEVICE_PATH", "required")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(INTEGRATION), os.environ.get("PYTHONPATH", "")]))
     sys.path.insert(0, str(INTEGRATION))
-    from hscapture import RankMismatchError
+
+
+def test_tp2_equals_tp1(tmp_path, tiny_model, device_env):
     from hscapture.compare import compare
 
     model = tiny_model("llama")
-    rng = random.Random(8)
-    ps = [[rng.randrange(4, 1024) for _ in range(n)] for n in (9, 70, 33, 130, 5)]
+    ps = _prompts()
     r1, one = _extract(tmp_path, "tp1", model, ps, 1)
     r2, two = _extract(tmp_path, "tp2", model, ps, 2)
     assert r1.device_path == r2.device_path == "device"
     cmp = compare(two, one)
     print(f"TP2_VS_TP1 worst relative error {cmp.worst:.2e}")
     assert cmp.ok(5e-3), f"TP=2 differs from TP=1: {cmp.worst:.2e} at {cmp.where}"
+
+
+def test_a_divergence_on_rank_1_is_named(tmp_path, tiny_model, device_env):
+    from hscapture import RankMismatchError
+
+    model, ps = tiny_model("llama"), _prompts()
     with pytest.raises(RankMismatchError, match=r"ranks \[1\] disagree with rank 0"):
         _extract(tmp_path, "bad", model, ps, 2, worker_cls="faulty.PerturbedRankWorker")

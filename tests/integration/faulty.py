@@ -1,8 +1,14 @@
 """Deliberately wrong workers, used to prove the oracle comparison catches attribution and layer errors.
 Test-only; imported by vLLM's worker processes through PYTHONPATH (see conftest.py)."""
 
+import os
+import sys
+
 from hscapture.capture import WorkerCapture
 from hscapture.worker import CaptureWorker
+
+
+_TRACE = os.environ.get("HSCAPTURE_TEST_TRACE") == "1"  # prints what the perturbed rank captured and checked
 
 
 class _RotatedOrder(WorkerCapture):
@@ -29,7 +35,15 @@ class _PerturbedRank1(WorkerCapture):
         if self.tp.rank == 1:
             hidden = hidden.clone()
             hidden[0, 0] += 1.0  # one value differs on one rank: the replicated stream is not replicated
+        if _TRACE:
+            print(f"[trace rank {self.tp.rank}/{self.tp.size}] capture slot {slot} path {self.device_path} "
+                  f"rows {tuple(hidden.shape)} {hidden.device} h00={float(hidden[0, 0]):.4f}", file=sys.stderr, flush=True)
         super()._capture(slot, hidden, residual)
+
+    def _assembled(self, outcomes):
+        if _TRACE:
+            print(f"[trace rank {self.tp.rank}] outcomes {[(o[0], o[1], o[2]) for o in outcomes]}", file=sys.stderr, flush=True)
+        super()._assembled(outcomes)
 
 
 class PerturbedRankWorker(CaptureWorker):

@@ -44,12 +44,27 @@ class Worker(HiddenStatesRPC):
 
 
 class SplitTP:
-    """Two TP ranks whose checksums differ: what an all-gather returns when rank 1 diverged."""
+    """Two TP ranks whose checksums differ: what an all-gather returns when rank 1 diverged (both ranks
+    healthy when they meet: the codes 0/1 of ``WorkerCapture._meet`` come back as they went)."""
 
     size, rank = 2, 0
 
     def all_gather_i64(self, v):
-        return [v, v + 1]
+        return [v, v] if v in (0, 1) else [v, v + 1]
+
+
+class PeerFailedTP:
+    """Rank 0's view when rank 1's capture failed on its own (say its disk filled up): rank 1 meets
+    the others with code 1, then stops."""
+
+    size, rank = 2, 0
+
+    def __init__(self):
+        self.gathers = []
+
+    def all_gather_i64(self, v):
+        self.gathers.append(v)
+        return [v, 1] if v in (0, 1) else [v, v]
 
 
 def test_a_rank_mismatch_leaves_no_step_half_begun():
@@ -60,6 +75,40 @@ def test_a_rank_mismatch_leaves_no_step_half_begun():
     with pytest.raises(RankMismatchError, match=r"ranks \[1\] disagree"):
         w.step(sched(new=[new_req("a", [1, 2, 3], None)], n={"a": 3}), ["a"])
     assert not w._hscapture.session.in_step
+
+
+def test_after_a_failed_step_every_later_step_and_result_is_refused():
+    """vLLM 0.23's batch queue went on scheduling steps after a worker raised (seen on two H200s); the
+    capture must not go on, nor hand a driver a result with a gap."""
+    from hscapture import RankMismatchError
+
+    w = Worker()
+    cap = w._hscapture
+    cap.tp = SplitTP()
+    with pytest.raises(RankMismatchError, match=r"ranks \[1\] disagree"):
+        w.step(sched(new=[new_req("a", [1, 2, 3], None)], n={"a": 3}), ["a"])
+    cap.tp = SimpleNamespace(size=1, rank=0)  # the ranks would agree now: the gap stays
+    for call in (lambda: w.step(sched(new=[new_req("b", [4, 5], None)], n={"b": 2}), ["b"]), cap.flush, cap.drain,
+                 w._get_captured_states):
+        with pytest.raises(RankMismatchError, match=r"refused: an earlier step failed on this rank .*ranks \[1\] disagree"):
+            call()
+    assert not cap.session.in_step
+    cap.close()  # releases without raising the reported failure again
+
+
+def test_a_rank_whose_peer_failed_stops_at_the_next_meeting_instead_of_waiting():
+    from hscapture import HscaptureError, RankMismatchError
+
+    w = Worker()
+    cap = w._hscapture
+    cap.tp = tp = PeerFailedTP()
+    with pytest.raises(HscaptureError, match=r"a new step refused: tensor-parallel rank\(s\) \[1\] failed") as ei:
+        w.step(sched(new=[new_req("a", [1, 2, 3], None)], n={"a": 3}), ["a"])
+    assert not isinstance(ei.value, RankMismatchError) and tp.gathers == [0], "it met the others once, healthy"
+    assert not cap.session.in_step
+    with pytest.raises(HscaptureError, match=r"refused: an earlier step failed on this rank .*rank\(s\) \[1\] failed"):
+        cap.drain()
+    assert tp.gathers == [0, 1], "and at the next meeting it says it stopped"
 
 
 def test_before_setup_every_call_is_a_typed_error():

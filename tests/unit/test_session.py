@@ -166,6 +166,8 @@ def test_worker_errors_cross_to_the_driver_typed(tmp_path):
     with pytest.raises(AttributionError, match=r"first \[raised by the worker of rank 0\]") as ei:
         failures.raise_recorded(tmp_path, RuntimeError("engine died"))
     assert isinstance(ei.value.__cause__, RuntimeError)
+    with pytest.raises(AttributionError, match="first"):  # after a run the engine reported as finished
+        failures.raise_recorded(tmp_path)
     failures.clear(tmp_path)
     failures.raise_recorded(tmp_path, RuntimeError("engine died"))
 

@@ -226,6 +226,7 @@ class WorkerCapture:
         self._traced_taps = 0  # taps of the compiled graph during captured steps
         self.device_path = "none"
         self._active = False
+        self._failure: HscaptureError | None = None  # the first error of this capture (it refuses all after)
         self._total = 0
         self._forward_tokens = 0
         # The RPC surface (speculators' drivers): the driver's per-step view, admission order, answer shape.
@@ -245,11 +246,45 @@ class WorkerCapture:
 
     # -- the step protocol -------------------------------------------------------------------
     def _failed(self, e: HscaptureError) -> None:
-        """Leaves the typed error where the driver finds it (vLLM reports only that the engine died)."""
+        """Leaves the typed error where the driver finds it (vLLM reports only that the engine died), and
+        keeps the first one: from now on this capture refuses every step and every result."""
         self._active = False
+        if self._failure is None:
+            self._failure = e
         record_failure(self.cfg.out, self.global_rank, e)
 
+    def _refuse_if_failed(self, what: str) -> None:
+        """After a failure nothing goes on: vLLM may keep scheduling steps after a worker raised (0.23's
+        batch queue reads a step's result later and went on for four more steps), and a driver must
+        never get a successful result from a run that lost a step."""
+        e = self._failure
+        if e is not None:
+            raise type(e)(
+                f"{what} refused: an earlier step failed on this rank (rank {self.global_rank}), so the capture has "
+                f"a gap; expected no failure, found: {e}. Fix that and re-run: complete samples already on disk are "
+                "kept and the re-run resumes after them"
+            )
+
+    def _meet(self, what: str) -> None:
+        """Every TP rank reaches this at the same call (each step's begin, each flush), and says whether
+        its capture failed before: all then refuse together. Without it a rank that stopped would leave
+        the others waiting in their next checksum exchange. A rank stopped by another's failure does not
+        record it: the driver reports the failed rank's own error."""
+        failed = int(self._failure is not None)
+        codes = self.tp.all_gather_i64(failed) if self.tp.size > 1 else [failed]
+        self._refuse_if_failed(what)
+        peers = [r for r, c in enumerate(codes) if c]
+        if peers:
+            self._active = False
+            self._failure = HscaptureError(
+                f"{what} refused: tensor-parallel rank(s) {peers} failed at an earlier step (their error is in their "
+                "log and in the output directory's .hscapture-errors); expected every rank to be capturing, so this "
+                "rank stops too rather than wait for them"
+            )
+            raise self._failure
+
     def begin(self, scheduler_output: Any) -> None:
+        self._meet("a new step")
         try:
             outcome = self.session.begin_step(*vllm_compat.step_args(scheduler_output))
         except HscaptureError as e:
@@ -330,7 +365,8 @@ class WorkerCapture:
                 self.session.verify_ranks(step, "tensor-parallel", self.tp.all_gather_i64(checksum))
 
     def flush(self) -> None:
-        """Assembles the device steps still in flight."""
+        """Assembles the device steps still in flight (refused after a failure of any rank: see ``_meet``)."""
+        self._meet("collecting the capture's results")
         try:
             self._assembled(self.session.flush())
         except HscaptureError as e:
@@ -398,8 +434,12 @@ class WorkerCapture:
     def close(self) -> None:
         """Assembles the steps still in flight (with overlapped device steps there is one), then releases
         the hooks and the session; an error of the flush is raised after the release."""
+        reported = self._failure is not None
         try:
-            self.flush()
+            self.flush()  # on every rank, failed or not: the ranks meet there
+        except HscaptureError:
+            if not reported:  # a failure reported already is not raised again by the release
+                raise
         finally:
             if self.link is not None:
                 self.link.close()

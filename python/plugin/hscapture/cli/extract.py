@@ -288,6 +288,7 @@ def _run_extract(opts: ExtractOptions) -> ExtractReport:
         if progress is not None:
             progress.close()
         _shutdown(llm)
+    failures.raise_recorded(cap_out)  # a worker failed, yet the engine finished the run (vLLM 0.23 can)
     writers = [r for r in results if r.get("writer")]
     if len(writers) != 1:
         raise OutputError(f"expected one writing rank, {len(writers)} reported; results: {results}")

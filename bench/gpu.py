@@ -9,7 +9,9 @@ pinned memory, local-disk write with fdatasync). Random weights (load_format="du
 `max_tokens=1`. Capture files go to --out (page cache) except `hscapture_durable` (fsync per file).
 Modes: plain, hscapture (background assembly, overlapped steps), hscapture_inline (scatter on the
 worker's thread), hscapture_serial (each device step collected when the next begins), hscapture_durable,
-vllm, python.
+vllm, python; compiled: plain_compiled and hscapture_compiled (vLLM's torch.compile without CUDA graphs,
+HSCAPTURE_CUDA_COMPILE=1), plain_graphs (vLLM's default compiled engine with CUDA graphs, which capture
+cannot run in); compiled modes are also compared with plain_compiled.
 """
 
 from __future__ import annotations
@@ -75,7 +77,9 @@ def disk_ceiling(path: Path, gib: int = 2) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llama8b,dsv3")
-    ap.add_argument("--modes", default="plain,hscapture,vllm,python")
+    ap.add_argument("--modes", default="plain,hscapture,vllm,python",
+                    help="also: hscapture_inline, hscapture_serial, hscapture_durable, plain_compiled, "
+                         "hscapture_compiled (torch.compile without CUDA graphs), plain_graphs (with them)")
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--length", type=int, default=1024)
@@ -118,13 +122,17 @@ def main() -> None:
                   f"{res['bytes'] / 2**30:.2f} GiB on disk{'; path ' + res['device_path'] if 'device_path' in res else ''}; "
                   f"process {time.perf_counter() - t:.0f} s)", flush=True)
             subprocess.run(["rm", "-rf", str(run_out)])
-        if "plain" in results:
-            base = results["plain"]["tokens"] / results["plain"]["seconds"]
-            print(f"== {name}: " + ", ".join(f"{m} {r['tokens'] / r['seconds'] / base:.3f}x" for m, r in results.items()), flush=True)
+        # Ratios to plain eager prefill, and (compiled modes) to plain compiled prefill without CUDA graphs.
+        for ref in ("plain", "plain_compiled"):
+            if ref not in results:
+                continue
+            label = name if ref == "plain" else f"{name} vs {ref}"
+            base = results[ref]["tokens"] / results[ref]["seconds"]
+            print(f"== {label}: " + ", ".join(f"{m} {r['tokens'] / r['seconds'] / base:.3f}x" for m, r in results.items()), flush=True)
             # The same runs up to the last step's end (without the wait for its files): the steady-state cost.
             steps = {m: min(a - b for a, b in zip(r["rounds"], r["drains"])) for m, r in results.items() if r.get("drains")}
             if steps:
-                print(f"== {name}, up to the last step: " + ", ".join(f"{m} {results[m]['tokens'] / s / base:.3f}x" for m, s in steps.items()),
+                print(f"== {label}, up to the last step: " + ", ".join(f"{m} {results[m]['tokens'] / s / base:.3f}x" for m, s in steps.items()),
                       flush=True)
 
 

@@ -26,6 +26,12 @@ if __name__ == "__main__":
               gpu_memory_utilization=0.85, enable_prefix_caching=False, seed=0, tensor_parallel_size=tp)
     if os.environ.get("HSBENCH_ASYNC") in ("0", "1"):  # vLLM's asynchronous scheduling forced off/on (every mode)
         kw["async_scheduling"] = os.environ["HSBENCH_ASYNC"] == "1"
+    if mode.endswith("_compiled"):  # vLLM's torch.compile (Inductor) without CUDA graphs; hscapture's opt-in
+        kw["enforce_eager"] = False
+        kw["compilation_config"] = {"cudagraph_mode": "NONE"}
+        os.environ["HSCAPTURE_CUDA_COMPILE"] = "1"
+    if mode == "plain_graphs":  # vLLM's default compiled engine with CUDA graphs (what capture cannot run in)
+        kw["enforce_eager"] = False
     if mode == "hscapture_inline":  # the scatter on the worker's thread, as before the assembler thread
         os.environ["HSCAPTURE_ASSEMBLY"] = "inline"
     if mode == "hscapture_serial":  # each device step collected when the next begins, as before the overlap

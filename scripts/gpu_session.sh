@@ -10,6 +10,8 @@
 # shapes with modes plain,hscapture,hscapture_inline,vllm; durable = the same with hscapture_durable;
 # MODELS, MODES and PROMPTS (environment) override the bench part's defaults; HSBENCH_ASYNC=0|1 forces
 # vLLM's asynchronous scheduling off/on in every mode (does hscapture's per-step wait cost the overlap?);
+# compiled = eager vs torch.compile (no CUDA graphs) vs CUDA graphs, Llama shape
+# (modes plain,hscapture,plain_compiled,hscapture_compiled,plain_graphs) and the compiled GPU oracle test;
 # tp2 (nvidia-h200-x2) = the same benchmark at tensor-parallel 2 (modes plain,hscapture,vllm by default).
 # (The DeepSeek-V3 TP=2 vs TP=1 check in float32 cannot run there: vLLM 0.23 has no float32 MLA backend.)
 # Logs go to $OUT (they come back with the call).
@@ -46,13 +48,19 @@ case "$what" in
       python3 bench/gpu.py --tp 2 --models "${MODELS:-llama8b,dsv3}" --modes "${MODES:-plain,hscapture,vllm}" \
         --prompts "${PROMPTS:-64}" --batch 16 --length 1024 --rounds 2 2>&1 | tee "$out/tp2-bench.log"
     fi
+    if [[ ",$parts," == *",compiled,"* ]]; then
+      python3 -m pytest tests/gpu/test_oracle_gpu.py -k compiled -q -s 2>&1 | tail -15 | tee "$out/compiled-test.log"
+      python3 bench/gpu.py --models "${MODELS:-llama8b}" \
+        --modes "${MODES:-plain,hscapture,plain_compiled,hscapture_compiled,plain_graphs}" \
+        --prompts "${PROMPTS:-64}" --batch 16 --length 1024 --rounds 2 2>&1 | tee "$out/compiled-bench.log"
+    fi
     if [[ ",$parts," == *",durable,"* ]]; then
       python3 bench/gpu.py --models llama8b --modes plain,hscapture_durable \
         --prompts 64 --batch 16 --length 1024 --rounds 2 2>&1 | tee "$out/durable.log"
     fi
     ;;
   *)
-    echo "usage: $0 stage | install | run [tests,bench,durable,tp2]" >&2
+    echo "usage: $0 stage | install | run [tests,bench,durable,compiled,tp2]" >&2
     exit 2
     ;;
 esac

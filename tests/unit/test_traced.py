@@ -113,7 +113,8 @@ def _cfg(mode, cudagraphs="NONE", device="cpu"):
                            device_config=SimpleNamespace(device_type=device))
 
 
-def test_which_compilation_modes_are_captured():
+def test_which_compilation_modes_are_captured(monkeypatch):
+    monkeypatch.delenv("HSCAPTURE_CUDA_COMPILE", raising=False)
     assert compiled(_cfg(0)) is False
     assert compiled(_cfg(0, "PIECEWISE", "cuda")) is False  # eager: vLLM never replays graphs then
     assert compiled(_cfg(2)) is True  # the CPU platform's DYNAMO_TRACE_ONCE
@@ -122,5 +123,9 @@ def test_which_compilation_modes_are_captured():
         compiled(_cfg(3, "FULL_AND_PIECEWISE", "cuda"))
     with pytest.raises(CompatibilityError, match="CUDA graphs"):
         compiled(_cfg(3, "PIECEWISE", "cpu"))
-    with pytest.raises(CompatibilityError, match="verified on vLLM's CPU platform only"):
+    with pytest.raises(CompatibilityError, match="verified on vLLM's CPU platform only.*HSCAPTURE_CUDA_COMPILE=1"):
         compiled(_cfg(3, "NONE", "cuda"))
+    monkeypatch.setenv("HSCAPTURE_CUDA_COMPILE", "1")  # the opt-in: compile on CUDA, still without CUDA graphs
+    assert compiled(_cfg(3, "NONE", "cuda")) is True
+    with pytest.raises(CompatibilityError, match="CUDA graphs"):
+        compiled(_cfg(3, "PIECEWISE", "cuda"))

@@ -64,6 +64,11 @@ REGISTRY: dict[str, EnvVar] = {
                "buffers, each one step of rows): at least 2. More absorbs bursts of slow assembly, at one "
                "step's rows of host memory each. The device path adds one pinned buffer for the step in flight "
                "when steps overlap (`HSCAPTURE_DEVICE_OVERLAP`)."),
+        EnvVar("HSCAPTURE_CUDA_COMPILE", "bool", "0",
+               "`1`: capture under vLLM's torch.compile on CUDA too (the hooks traced into the graph call "
+               "hscapture's ops, as on vLLM's CPU platform), with `cudagraph_mode` NONE; CUDA graphs stay refused. "
+               "Not yet run on a GPU, hence opt-in: `tests/gpu/test_oracle_gpu.py[v1-compiled]` and the bench modes "
+               "`plain_compiled`/`hscapture_compiled` are what verify it there (docs/research/compiled-capture.md)."),
         EnvVar("HSCAPTURE_BASE_WORKER", "str", None,
                "Qualified name of the worker class `CaptureWorker` extends, when the platform's default is not wanted."),
         EnvVar("HSCAPTURE_REFERENCE_PATH", "str", None,

@@ -147,7 +147,8 @@ class RunnerOrder:
 def compiled(vllm_config: Any) -> bool:
     """Whether vLLM will run the model through torch.compile (the hooks are then traced into its graph and
     call hscapture's ops, ``traced.py``). Refuses what is not verified: CUDA graphs (a replayed graph would
-    not call the ops, so prompt tokens would be silently lost) and torch.compile on CUDA (not yet run there)."""
+    not call the ops, so prompt tokens would be silently lost) and torch.compile on CUDA unless opted in
+    (``HSCAPTURE_CUDA_COMPILE=1``: not yet run there)."""
     cc = getattr(vllm_config, "compilation_config", None)
     mode = getattr(cc, "mode", None)
     if mode is None:
@@ -163,10 +164,14 @@ def compiled(vllm_config: Any) -> bool:
             "replayed graph skips the capture; start vLLM with enforce_eager=True (`--enforce-eager`)"
         )
     if device != "cpu":
-        raise CompatibilityError(
-            f"capturing under torch.compile (compilation mode {mode}) is verified on vLLM's CPU platform only, not "
-            f"yet on {device}; start vLLM with enforce_eager=True (`--enforce-eager`)"
-        )
+        from . import envs
+
+        if not envs.get("HSCAPTURE_CUDA_COMPILE"):
+            raise CompatibilityError(
+                f"capturing under torch.compile (compilation mode {mode}) is verified on vLLM's CPU platform only, not "
+                f"yet on {device}; start vLLM with enforce_eager=True (`--enforce-eager`), or set "
+                "HSCAPTURE_CUDA_COMPILE=1 to try it (with cudagraph_mode NONE)"
+            )
     return True
 
 

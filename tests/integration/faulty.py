@@ -40,11 +40,6 @@ class _PerturbedRank1(WorkerCapture):
                   f"rows {tuple(hidden.shape)} {hidden.device} h00={float(hidden[0, 0]):.4f}", file=sys.stderr, flush=True)
         super()._capture(slot, hidden, residual)
 
-    def _assembled(self, outcomes):
-        if _TRACE:
-            print(f"[trace rank {self.tp.rank}] outcomes {[(o[0], o[1], o[2]) for o in outcomes]}", file=sys.stderr, flush=True)
-        super()._assembled(outcomes)
-
 
 class PerturbedRankWorker(CaptureWorker):
     capture_cls = _PerturbedRank1

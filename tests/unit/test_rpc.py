@@ -44,27 +44,34 @@ class Worker(HiddenStatesRPC):
 
 
 class SplitTP:
-    """Two TP ranks whose checksums differ: what an all-gather returns when rank 1 diverged (both ranks
-    healthy when they meet: the codes 0/1 of ``WorkerCapture._meet`` come back as they went)."""
+    """Two TP ranks whose checksums differ: what the all-gathers return when rank 1 diverged (both ranks
+    healthy, the same number of steps, different digests and checksums)."""
 
     size, rank = 2, 0
 
+    def all_gather_i64s(self, v):
+        failed, n, digest = v
+        return [v, [failed, n, digest + 1 if n else digest]]
+
     def all_gather_i64(self, v):
-        return [v, v] if v in (0, 1) else [v, v + 1]
+        return [v, v + 1]
 
 
 class PeerFailedTP:
-    """Rank 0's view when rank 1's capture failed on its own (say its disk filled up): rank 1 meets
-    the others with code 1, then stops."""
+    """Rank 0's view when rank 1's capture failed on its own (say its device raised) and rank 1 still
+    meets the others, saying so."""
 
     size, rank = 2, 0
 
     def __init__(self):
-        self.gathers = []
+        self.met = []
+
+    def all_gather_i64s(self, v):
+        self.met.append(v[0])
+        return [v, [1, 0, 0]]
 
     def all_gather_i64(self, v):
-        self.gathers.append(v)
-        return [v, 1] if v in (0, 1) else [v, v]
+        raise AssertionError("no checksum is compared with a rank that failed")
 
 
 def test_a_rank_mismatch_leaves_no_step_half_begun():
@@ -104,11 +111,65 @@ def test_a_rank_whose_peer_failed_stops_at_the_next_meeting_instead_of_waiting()
     cap.tp = tp = PeerFailedTP()
     with pytest.raises(HscaptureError, match=r"a new step refused: tensor-parallel rank\(s\) \[1\] failed") as ei:
         w.step(sched(new=[new_req("a", [1, 2, 3], None)], n={"a": 3}), ["a"])
-    assert not isinstance(ei.value, RankMismatchError) and tp.gathers == [0], "it met the others once, healthy"
+    assert not isinstance(ei.value, RankMismatchError) and tp.met == [0], "it met the others once, healthy"
     assert not cap.session.in_step
-    with pytest.raises(HscaptureError, match=r"refused: an earlier step failed on this rank .*rank\(s\) \[1\] failed"):
+    with pytest.raises(HscaptureError, match=r"refused: tensor-parallel rank\(s\) \[1\] failed at an earlier step"):
         cap.drain()
-    assert tp.gathers == [0, 1], "and at the next meeting it says it stopped"
+    assert tp.met == [0, 1], "and at the next meeting it says it stopped"
+    cap.close()  # meets once more, and releases without raising: the failure was reported
+    assert tp.met == [0, 1, 1]
+
+
+class CountingTP:
+    """Two ranks; counts this rank's meetings; the peer is healthy and accounts what this rank does."""
+
+    size, rank = 2, 0
+
+    def __init__(self):
+        self.met = 0
+
+    def all_gather_i64s(self, v):
+        self.met += 1
+        return [v, [0, v[1], v[2]]]
+
+    def all_gather_i64(self, v):
+        return [v, v]
+
+
+def test_every_rank_meets_exactly_once_per_call_whatever_fails():
+    """The count of all-gathers must not depend on what failed where, or ranks wait for each other."""
+    from hscapture import ShapeContractError
+
+    w = Worker()
+    cap = w._hscapture
+    cap.tp = tp = CountingTP()
+    w.step(sched(new=[new_req("a", [1, 2, 3], None)], n={"a": 3}), ["a"])
+    assert tp.met == 2, "a step: its begin and its end"
+    cap.begin(sched(new=[new_req("b", [4, 5], None)], n={"b": 2}))
+    w.runner.lay_out(["b"])
+    cap._on_capture(0, rows_tagged(0, 2), torch.zeros(2, H))
+    with pytest.raises(ShapeContractError, match="never reached its hook"):
+        cap.end()  # slot 1 missing: this rank fails in its own end, and still meets the others there
+    assert tp.met == 4
+    cap.abandon(RuntimeError("vLLM's forward raised"))  # a later forward that raised: met as an end
+    assert tp.met == 5
+    for call in (cap.flush, cap.drain):
+        with pytest.raises(ShapeContractError, match="refused: an earlier step failed on this rank"):
+            call()
+    assert tp.met == 7
+    cap.abandon(KeyboardInterrupt())  # the process is going down: no meeting
+    assert tp.met == 7
+
+
+def test_a_forward_that_raised_stops_the_capture():
+    from hscapture import HscaptureError
+
+    w = Worker()
+    cap = w._hscapture
+    cap.begin(sched(new=[new_req("a", [1, 2, 3], None)], n={"a": 3}))
+    cap.abandon(RuntimeError("CUDA out of memory"))
+    with pytest.raises(HscaptureError, match=r"refused: .*the forward of a step raised RuntimeError: CUDA out of memory"):
+        cap.begin(sched(cached=[], new=[new_req("b", [4, 5], None)], n={"b": 2}))
 
 
 def test_before_setup_every_call_is_a_typed_error():

@@ -35,6 +35,9 @@ class ShardedTP:
     def all_gather_i64(self, v):
         return [v] * self.size
 
+    def all_gather_i64s(self, v):
+        return [v] * self.size
+
 
 def run(tp, so, order, sharded):
     w = Worker()

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import _native, hooks, vllm_compat
+from . import _native, hooks, meeting, vllm_compat
 from .config import CaptureConfig
 from .errors import AttributionError, CompatibilityError, ConfigError, HscaptureError, ShapeContractError
 from .failures import record_failure
@@ -227,6 +227,7 @@ class WorkerCapture:
         self.device_path = "none"
         self._active = False
         self._failure: HscaptureError | None = None  # the first error of this capture (it refuses all after)
+        self._stopped_by: list[int] | None = None  # the TP ranks whose failure stopped this one
         self._total = 0
         self._forward_tokens = 0
         # The RPC surface (speculators' drivers): the driver's per-step view, admission order, answer shape.
@@ -253,48 +254,38 @@ class WorkerCapture:
             self._failure = e
         record_failure(self.cfg.out, self.global_rank, e)
 
-    def _refuse_if_failed(self, what: str) -> None:
+    def _refuse(self, what: str) -> None:
         """After a failure nothing goes on: vLLM may keep scheduling steps after a worker raised (0.23's
-        batch queue reads a step's result later and went on for four more steps), and a driver must
-        never get a successful result from a run that lost a step."""
+        batch queue went on for four more steps), and a driver must never get a successful result from a
+        run that lost a step."""
         e = self._failure
-        if e is not None:
-            raise type(e)(
-                f"{what} refused: an earlier step failed on this rank (rank {self.global_rank}), so the capture has "
-                f"a gap; expected no failure, found: {e}. Fix that and re-run: complete samples already on disk are "
-                "kept and the re-run resumes after them"
+        if self._stopped_by is not None:
+            raise HscaptureError(
+                f"{what} refused: tensor-parallel rank(s) {self._stopped_by} failed at an earlier step and this rank "
+                "stopped with them (the driver reports their own error; their logs have it)"
             )
+        raise type(e)(
+            f"{what} refused: an earlier step failed on this rank (rank {self.global_rank}), so the capture has a "
+            f"gap; expected no failure, found: {e}. Fix that and re-run: complete samples already on disk are kept "
+            "and the re-run resumes after them"
+        ) from e
 
-    def _meet(self, what: str) -> None:
-        """Every TP rank reaches this at the same call (each step's begin, each flush), and says whether
-        its capture failed before: all then refuse together. Without it a rank that stopped would leave
-        the others waiting in their next checksum exchange. A rank stopped by another's failure does not
-        record it: the driver reports the failed rank's own error."""
-        failed = int(self._failure is not None)
-        codes = self.tp.all_gather_i64(failed) if self.tp.size > 1 else [failed]
-        self._refuse_if_failed(what)
-        peers = [r for r, c in enumerate(codes) if c]
-        if peers:
-            self._active = False
-            self._failure = HscaptureError(
-                f"{what} refused: tensor-parallel rank(s) {peers} failed at an earlier step (their error is in their "
-                "log and in the output directory's .hscapture-errors); expected every rank to be capturing, so this "
-                "rank stops too rather than wait for them"
-            )
-            raise self._failure
+    def _stopped_by_peers(self, what: str, peers: list[int]) -> None:
+        """Other TP ranks failed: this one stops too (not recorded: their own error is the root cause)."""
+        self._active = False
+        self._stopped_by = peers
+        self._failure = HscaptureError(
+            f"{what} refused: tensor-parallel rank(s) {peers} failed (the driver reports their own error; their "
+            "logs have it); expected every rank to be capturing, so this rank stops with them"
+        )
+        raise self._failure
 
     def begin(self, scheduler_output: Any) -> None:
-        self._meet("a new step")
-        try:
-            outcome = self.session.begin_step(*vllm_compat.step_args(scheduler_output))
-        except HscaptureError as e:
-            self._failed(e)
-            raise
-        try:
-            self._assembled(outcome)  # earlier device steps, assembled now: check them across ranks
-        except HscaptureError as e:
-            self.session.abandon_step()  # this step will not run; the next one must not find it begun
-            self._failed(e)
+        try:  # device steps still in flight beyond the one overlap keeps are accounted here
+            meeting.meet(self, "a new step", lambda: self.session.begin_step(*vllm_compat.step_args(scheduler_output)))
+        except HscaptureError:
+            if self.session.in_step:
+                self.session.abandon_step()  # this step will not run; the next one must not find it begun
             raise
         self._total = int(scheduler_output.total_num_scheduled_tokens)
         self._forward_tokens = 0
@@ -346,32 +337,22 @@ class WorkerCapture:
         self.session.capture(slot, hidden, residual)
 
     def end(self) -> None:
+        """Ends the step: checks the contract; the steps accounted now are compared across the TP ranks
+        (``meeting.py``: every rank accounts the same steps at the same calls, host steps at their end,
+        device steps at a later step's end or begin)."""
         self._active = False
-        try:
+
+        def account() -> list:
             if self.link is not None and self.session.in_step:
                 self.link.exchange(self.step_order)
             self._check_expected()
-            self._assembled(self.session.end_step())
-        except HscaptureError as e:
-            self._failed(e)
-            raise
+            return self.session.end_step()
 
-    def _assembled(self, outcomes: list) -> None:
-        """Steps' data reached the host: compare each checksum across the TP group. Every rank
-        assembles the same steps at the same calls (host steps at their end, device steps at a later
-        step's end or begin: the session's rule depends only on the steps and the configuration)."""
-        for step, checksum, _rows, _completed in outcomes:
-            if self.tp.size > 1:
-                self.session.verify_ranks(step, "tensor-parallel", self.tp.all_gather_i64(checksum))
+        meeting.meet(self, "ending a step", account)
 
     def flush(self) -> None:
-        """Assembles the device steps still in flight (refused after a failure of any rank: see ``_meet``)."""
-        self._meet("collecting the capture's results")
-        try:
-            self._assembled(self.session.flush())
-        except HscaptureError as e:
-            self._failed(e)
-            raise
+        """Assembles the device steps still in flight (refused after a failure of any rank)."""
+        meeting.meet(self, "collecting the capture's results", self.session.flush)
 
     def _check_expected(self) -> None:
         expected, self._expected = self._expected, None
@@ -433,12 +414,13 @@ class WorkerCapture:
 
     def close(self) -> None:
         """Assembles the steps still in flight (with overlapped device steps there is one), then releases
-        the hooks and the session; an error of the flush is raised after the release."""
-        reported = self._failure is not None
+        the hooks and the session. Every rank flushes, failed or not (the ranks meet there); an error of
+        this flush is raised after the release, a failure reported before (this rank's or a peer's) is not."""
+        before = self._failure
         try:
             self.flush()  # on every rank, failed or not: the ranks meet there
         except HscaptureError:
-            if not reported:  # a failure reported already is not raised again by the release
+            if before is None and self._stopped_by is None:  # this flush's own failure, raised after the release
                 raise
         finally:
             if self.link is not None:
@@ -456,10 +438,23 @@ class WorkerCapture:
             traced.deactivate()
             self._traced = False
 
-    def abandon(self) -> None:
+    def abandon(self, exc: BaseException) -> None:
+        """The step's forward raised ``exc``: its rows are lost, so the capture stops (a gap would follow).
+        The ranks still meet, as at a step's end, unless the process is going down (not an Exception)."""
         self._active = False
         if self.session.in_step:
             self.session.abandon_step()
+        if not isinstance(exc, Exception):
+            return
+        if self._failure is None:
+            self._failed(exc if isinstance(exc, HscaptureError) else HscaptureError(
+                f"the forward of a step raised {type(exc).__name__}: {exc}; expected it to finish, since that step's "
+                "prompt rows are now lost and its requests would have a gap, so this capture stops (fix the cause "
+                "and re-run: the run resumes)"))
+        try:
+            meeting.meet(self, "ending a step whose forward failed", list)
+        except HscaptureError:
+            pass  # the forward's own exception is the one that propagates
 
     def drain(self) -> list[dict]:
         """Waits until every completed sample is on disk (capture continues); returns new records.

@@ -39,8 +39,8 @@ def run_step(worker: Any, call: Callable[..., Any], scheduler_output: Any, *args
     cap.begin(scheduler_output)
     try:
         out = call(scheduler_output, *args, **kwargs)
-    except BaseException:
-        cap.abandon()
+    except BaseException as e:
+        cap.abandon(e)
         raise
     cap.end()
     return out

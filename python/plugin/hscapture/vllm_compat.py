@@ -164,8 +164,6 @@ def compiled(vllm_config: Any) -> bool:
             "replayed graph skips the capture; start vLLM with enforce_eager=True (`--enforce-eager`)"
         )
     if device != "cpu":
-        from . import envs
-
         if not envs.get("HSCAPTURE_CUDA_COMPILE"):
             raise CompatibilityError(
                 f"capturing under torch.compile (compilation mode {mode}) is verified on vLLM's CPU platform only, not "
@@ -192,6 +190,16 @@ class TPGroup:
         from vllm.distributed.parallel_state import get_tp_group
 
         return get_tp_group().all_gather(t.contiguous(), dim=0)
+
+    def all_gather_i64s(self, values: list[int]) -> list[list[int]]:
+        """Every rank's list of int64 (all of the same length), in rank order."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.int64)
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(out, t, group=self._cpu_group)
+        return [x.tolist() for x in out]
 
     def all_gather_i64(self, value: int) -> list[int]:
         import torch

@@ -1,0 +1,76 @@
+"""Where the tensor-parallel ranks meet: once at every call of the step protocol (a step's begin, its end
+or abandonment, each flush).
+
+Each rank does its part of the call (a session call that accounts steps), then all ranks all-gather one
+record of fixed size: whether this rank's capture has failed, how many steps the call accounted, and a
+digest of their checksums. Exactly one all-gather per call on every rank, whatever failed where: a rank
+that stopped never leaves the others waiting, and one rank's message is never paired with another kind
+of message from a peer. (vLLM 0.23's engine went on scheduling steps after a worker raised, so a
+failed rank does meet the others again.)
+
+- A rank whose capture failed (in this call or before) raises its own error.
+- The others raise a peer error naming it. It is not recorded for the driver, which reports the failed
+  rank's own error.
+- Ranks that accounted different numbers of steps, or steps whose checksums differ, raise
+  ``RankMismatchError``. Every rank sees the same digests, so all of them then compare step by step
+  (the same all-gathers everywhere) to name the first step that differs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .errors import HscaptureError, RankMismatchError
+
+_M = (1 << 64) - 1
+
+
+def digest(outcomes: list) -> int:
+    """FNV-1a over the (step, checksum) pairs, as a signed 64-bit integer (what the all-gather carries)."""
+    d = 0xCBF29CE484222325
+    for step, checksum, *_ in outcomes:
+        for v in (int(step), int(checksum)):
+            d = ((d ^ (v & _M)) * 0x100000001B3) & _M
+    return d - (1 << 64) if d >= 1 << 63 else d
+
+
+def meet(cap: Any, what: str, call: Callable[[], list]) -> list:
+    """Runs ``call`` (unless the capture failed before), meets the other TP ranks and checks the steps it
+    accounted; returns them. ``cap`` is a ``WorkerCapture`` (its ``tp``, ``session`` and failure state)."""
+    outcomes: list = []
+    error = None
+    if cap._failure is None:
+        try:
+            outcomes = call()
+        except HscaptureError as e:
+            cap._failed(e)
+            error = e
+    failed = int(cap._failure is not None)
+    mine = [failed, len(outcomes), digest(outcomes)]
+    records = cap.tp.all_gather_i64s(mine) if cap.tp.size > 1 else [mine]
+    if error is not None:
+        raise error
+    if failed:
+        cap._refuse(what)
+    peers = [r for r, rec in enumerate(records) if rec[0]]
+    if peers:
+        cap._stopped_by_peers(what, peers)
+    try:
+        counts = [rec[1] for rec in records]
+        if len(set(counts)) > 1:
+            raise RankMismatchError(
+                f"{what}: the tensor-parallel ranks accounted different numbers of steps (per rank {counts}); "
+                "expected the same, since every rank captures the same way (checked at start-up). This is a bug "
+                "in hscapture: please report it with the workers' logs"
+            )
+        if len({rec[2] for rec in records}) > 1:
+            for step, checksum, *_ in outcomes:
+                cap.session.verify_ranks(step, "tensor-parallel", cap.tp.all_gather_i64(checksum))
+            raise RankMismatchError(
+                f"{what}: the tensor-parallel ranks' digests of steps {[o[0] for o in outcomes]} differ, but no "
+                "single step's checksum did; expected equal digests. This is a bug in hscapture: please report it"
+            )
+    except HscaptureError as e:
+        cap._failed(e)
+        raise
+    return outcomes

@@ -77,10 +77,11 @@ def test_a_graph_built_for_other_capture_points_is_refused():
 
     cap = Worker(layers=(0, 2))._hscapture
     cap._point_codes = tuple(traced.point_code(kind, k) for kind, k in cap.capture_points())
+    cap._on_traced(0, traced.point_code("layer_output", 0), torch.zeros(2, 4), None)  # its own point: fine (no step)
+    cap._on_traced(0, traced.point_code("layer_output", 1), torch.zeros(2, 4), None)  # kept for the next meeting
     with pytest.raises(CompatibilityError, match="taps the output of decoder layer 1 for slot 0, but this capture reads "
                                                   "the output of decoder layer 0"):
-        cap._on_traced(0, traced.point_code("layer_output", 1), torch.zeros(2, 4), None)
-    cap._on_traced(0, traced.point_code("layer_output", 0), torch.zeros(2, 4), None)  # its own point: fine (no step)
+        cap.flush()
 
 
 def test_finish_deactivates_and_reports_the_taps_of_captured_steps():

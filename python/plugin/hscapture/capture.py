@@ -137,8 +137,8 @@ class WorkerCapture:
                 "artifact cached by a run with other capture settings; set VLLM_DISABLE_COMPILE_CACHE=1, or give the "
                 "settings in additional_config"
             )
-            self._failed(e)  # the driver re-raises it by type (vLLM reports only that the engine died)
-            raise e
+            self._failed(e)  # raised at the step's end (see _on_capture); the driver re-raises it by type
+            return
         if self._active:
             self._traced_taps += 1
         self._on_capture(slot, hidden, residual)
@@ -191,10 +191,12 @@ class WorkerCapture:
         if failure is not None:
             raise failure
         if failed:
-            raise CompatibilityError(
+            e = CompatibilityError(
                 f"tensor-parallel rank(s) {failed} could not set up their capture path (their logs say why); "
                 "expected every rank to start, so this rank stops too"
             )
+            e.hscapture_peer = True  # record_failure leaves it out: the failed rank's own error is the cause
+            raise e
         if len(set(codes)) == 1:
             return
         seen = [f"rank {r}: {self._PATHS[c // 2]}{' (overlapped steps)' if c % 2 else ''}" for r, c in enumerate(codes)]
@@ -227,7 +229,8 @@ class WorkerCapture:
         self.device_path = "none"
         self._active = False
         self._failure: HscaptureError | None = None  # the first error of this capture (it refuses all after)
-        self._stopped_by: list[int] | None = None  # the TP ranks whose failure stopped this one
+        self._stopped_by: list[str] | None = None  # the TP ranks whose failure stopped this one
+        self._failure_raised = False  # whether the first failure was raised once already (as itself)
         self._total = 0
         self._forward_tokens = 0
         # The RPC surface (speculators' drivers): the driver's per-step view, admission order, answer shape.
@@ -249,9 +252,8 @@ class WorkerCapture:
     def _failed(self, e: HscaptureError) -> None:
         """Leaves the typed error where the driver finds it (vLLM reports only that the engine died), and
         keeps the first one: from now on this capture refuses every step and every result."""
-        self._active = False
         if self._failure is None:
-            self._failure = e
+            self._failure, self._failure_raised = e, False  # raised as itself at the next meeting, then refused
         record_failure(self.cfg.out, self.global_rank, e)
 
     def _refuse(self, what: str) -> None:
@@ -260,25 +262,28 @@ class WorkerCapture:
         run that lost a step."""
         e = self._failure
         if self._stopped_by is not None:
-            raise HscaptureError(
-                f"{what} refused: tensor-parallel rank(s) {self._stopped_by} failed at an earlier step and this rank "
-                "stopped with them (the driver reports their own error; their logs have it)"
+            e = HscaptureError(
+                f"{what} refused: {', '.join(self._stopped_by)} failed at an earlier step and this rank stopped with "
+                "them (the driver reports their own error; their logs have it)"
             )
+            e.hscapture_peer = True
+            raise e
         raise type(e)(
-            f"{what} refused: an earlier step failed on this rank (rank {self.global_rank}), so the capture has a "
-            f"gap; expected no failure, found: {e}. Fix that and re-run: complete samples already on disk are kept "
-            "and the re-run resumes after them"
+            f"{what} refused: this rank (rank {self.global_rank}) failed earlier, so the capture has a gap; "
+            f"expected no failure, found: {e}. Fix that and re-run: complete samples already on disk are kept and "
+            "the re-run resumes after them"
         ) from e
 
-    def _stopped_by_peers(self, what: str, peers: list[int]) -> None:
+    def _stopped_by_peers(self, what: str, peers: list[str]) -> None:
         """Other TP ranks failed: this one stops too (not recorded: their own error is the root cause)."""
-        self._active = False
-        self._stopped_by = peers
-        self._failure = HscaptureError(
-            f"{what} refused: tensor-parallel rank(s) {peers} failed (the driver reports their own error; their "
-            "logs have it); expected every rank to be capturing, so this rank stops with them"
+        self._stopped_by, self._failure_raised = peers, True
+        e = HscaptureError(
+            f"{what} refused: {', '.join(peers)} failed (the driver reports their own error; their logs have it); "
+            "expected every rank to be capturing, so this rank stops with them"
         )
-        raise self._failure
+        e.hscapture_peer = True  # record_failure leaves it out
+        self._failure = e
+        raise e
 
     def begin(self, scheduler_output: Any) -> None:
         try:  # device steps still in flight beyond the one overlap keeps are accounted here
@@ -315,14 +320,16 @@ class WorkerCapture:
         return self.tp.gather_rows(hidden), (self.tp.gather_rows(residual) if residual is not None else None)
 
     def _on_capture(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        """A hook. An error is kept and raised at the step's end, where the TP ranks meet: raised here it
+        would stop this rank's forward while the others wait for it in the model's own collectives."""
         if not self._active:
             return  # profiling, warm-up and dummy runs
         try:
-            hidden, residual = self._unshard(slot, hidden, residual)
-            self._capture(slot, hidden, residual)
+            hidden, residual = self._unshard(slot, hidden, residual)  # a collective: on every rank, every slot
+            if self._failure is None:
+                self._capture(slot, hidden, residual)
         except HscaptureError as e:
             self._failed(e)
-            raise
 
     def _capture(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
         if not self.session.planned:
@@ -348,7 +355,12 @@ class WorkerCapture:
             self._check_expected()
             return self.session.end_step()
 
-        meeting.meet(self, "ending a step", account)
+        try:
+            meeting.meet(self, "ending a step", account)
+        except BaseException:
+            if self.session.in_step:
+                self.session.abandon_step()  # a hook failed, or a check: the step is not committed
+            raise
 
     def flush(self) -> None:
         """Assembles the device steps still in flight (refused after a failure of any rank)."""
@@ -414,14 +426,15 @@ class WorkerCapture:
 
     def close(self) -> None:
         """Assembles the steps still in flight (with overlapped device steps there is one), then releases
-        the hooks and the session. Every rank flushes, failed or not (the ranks meet there); an error of
-        this flush is raised after the release, a failure reported before (this rank's or a peer's) is not."""
-        before = self._failure
+        the hooks and the session. Every rank flushes, failed or not (the ranks meet there); a failure is
+        logged, and recorded for the driver when it is this rank's own, never raised: ranks that raised
+        here on some ranks only would part (a reload builds a new capture on each, which meet at start-up)."""
         try:
             self.flush()  # on every rank, failed or not: the ranks meet there
-        except HscaptureError:
-            if before is None and self._stopped_by is None:  # this flush's own failure, raised after the release
-                raise
+        except HscaptureError as e:
+            # Never raised here, so that every rank goes on alike (a reload builds a new capture on each):
+            # the failure was raised by the call where it happened, or is recorded for the driver now.
+            log.error("hscapture: closing the capture: %s", e)
         finally:
             if self.link is not None:
                 self.link.close()
@@ -440,21 +453,24 @@ class WorkerCapture:
 
     def abandon(self, exc: BaseException) -> None:
         """The step's forward raised ``exc``: its rows are lost, so the capture stops (a gap would follow).
-        The ranks still meet, as at a step's end, unless the process is going down (not an Exception)."""
+        No meeting here: if the forward failed on this rank alone, the others wait in the model's own
+        collectives; if on all, all skip it alike. The next meeting tells the others."""
         self._active = False
         if self.session.in_step:
             self.session.abandon_step()
-        if not isinstance(exc, Exception):
-            return
-        if self._failure is None:
+        if isinstance(exc, Exception) and self._failure is None:
             self._failed(exc if isinstance(exc, HscaptureError) else HscaptureError(
                 f"the forward of a step raised {type(exc).__name__}: {exc}; expected it to finish, since that step's "
                 "prompt rows are now lost and its requests would have a gap, so this capture stops (fix the cause "
                 "and re-run: the run resumes)"))
+
+    def _recorded(self, call: Any) -> Any:
+        """``call()``; its error is this capture's failure (recorded for the driver, refused after)."""
         try:
-            meeting.meet(self, "ending a step whose forward failed", list)
-        except HscaptureError:
-            pass  # the forward's own exception is the one that propagates
+            return call()
+        except HscaptureError as e:
+            self._failed(e)
+            raise
 
     def drain(self) -> list[dict]:
         """Waits until every completed sample is on disk (capture continues); returns new records.
@@ -463,7 +479,7 @@ class WorkerCapture:
         t0 = time.perf_counter()
         self.flush()
         t1 = time.perf_counter()
-        records = list(self.session.drain())
+        records = list(self._recorded(self.session.drain))
         self.drain_seconds = {"assemble": t1 - t0, "write": time.perf_counter() - t1}
         return records
 
@@ -475,7 +491,7 @@ class WorkerCapture:
         except HscaptureError:
             self.session.finish()  # the writer still writes what it holds and stops; then the error
             raise
-        records = list(self.session.finish())
+        records = list(self._recorded(self.session.finish))
         return {
             "traced_calls": traced_calls,
             "tp_rank": self.tp.rank,

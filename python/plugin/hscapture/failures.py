@@ -17,8 +17,9 @@ DIR = ".hscapture-errors"
 
 
 def record_failure(out: str | None, rank: int, e: BaseException) -> None:
-    """Records a rank's first error (the root cause; what fails after it is a consequence)."""
-    if not out:
+    """Records a rank's first error (the root cause; what fails after it is a consequence). An error that
+    only says another rank failed (``hscapture_peer``) is not recorded: that rank's own error is."""
+    if not out or getattr(e, "hscapture_peer", False):
         return
     try:
         d = Path(out) / DIR

@@ -1,14 +1,17 @@
-"""Where the tensor-parallel ranks meet: once at every call of the step protocol (a step's begin, its end
-or abandonment, each flush).
+"""Where the tensor-parallel ranks meet: once at every call of the step protocol (a step's begin, its end,
+each flush).
 
 Each rank does its part of the call (a session call that accounts steps), then all ranks all-gather one
-record of fixed size: whether this rank's capture has failed, how many steps the call accounted, and a
-digest of their checksums. Exactly one all-gather per call on every rank, whatever failed where: a rank
+record of fixed size: whether this rank's capture has failed, how many steps the call accounted, a
+digest of their checksums, and its global rank (to name it). Exactly one all-gather per call on every rank, whatever failed where: a rank
 that stopped never leaves the others waiting, and one rank's message is never paired with another kind
 of message from a peer. (vLLM 0.23's engine went on scheduling steps after a worker raised, so a
 failed rank does meet the others again.)
 
-- A rank whose capture failed (in this call or before) raises its own error.
+- A rank whose capture failed (in this call, in a hook of this step, or before) raises its own error.
+  Hooks never raise: they keep their error for the step's end, since a rank whose forward stopped would
+  leave the others waiting in the model's own collectives. A forward that raised meets nobody either
+  (``WorkerCapture.abandon``); the next meeting tells the others.
 - The others raise a peer error naming it. It is not recorded for the driver, which reports the failed
   rank's own error.
 - Ranks that accounted different numbers of steps, or steps whose checksums differ, raise
@@ -38,21 +41,32 @@ def meet(cap: Any, what: str, call: Callable[[], list]) -> list:
     """Runs ``call`` (unless the capture failed before), meets the other TP ranks and checks the steps it
     accounted; returns them. ``cap`` is a ``WorkerCapture`` (its ``tp``, ``session`` and failure state)."""
     outcomes: list = []
-    error = None
+    error: BaseException | None = None
     if cap._failure is None:
         try:
             outcomes = call()
         except HscaptureError as e:
             cap._failed(e)
             error = e
+        except Exception as e:  # noqa: BLE001 - still meet the others, then raise it typed
+            error = HscaptureError(
+                f"{what}: an unexpected {type(e).__name__} on this rank: {e}; expected none (a bug in hscapture, or "
+                "the machine failing); the run stops here on every rank"
+            )
+            error.__cause__ = e
+            cap._failed(error)
     failed = int(cap._failure is not None)
-    mine = [failed, len(outcomes), digest(outcomes)]
+    mine = [failed, len(outcomes), digest(outcomes), int(cap.global_rank)]
     records = cap.tp.all_gather_i64s(mine) if cap.tp.size > 1 else [mine]
     if error is not None:
+        cap._failure_raised = True
         raise error
     if failed:
+        if not cap._failure_raised:  # a hook's error, or a forward's: raised as itself, once
+            cap._failure_raised = True
+            raise cap._failure
         cap._refuse(what)
-    peers = [r for r, rec in enumerate(records) if rec[0]]
+    peers = [f"tensor-parallel rank {r} (global rank {rec[3]})" for r, rec in enumerate(records) if rec[0]]
     if peers:
         cap._stopped_by_peers(what, peers)
     try:

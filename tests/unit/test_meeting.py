@@ -42,6 +42,18 @@ class ThreadTP:
         self.log.append("checksum")
         return self.ex.gather(self.rank, v)
 
+    def start_all_gather_i64s(self, v):
+        self.log.append("meet")
+        got = []
+        t = threading.Thread(target=lambda: got.append(self.ex.gather(self.rank, list(v))))
+        t.start()
+
+        def finish():
+            t.join(30)
+            return got[0]
+
+        return finish
+
 
 class FailingSession:
     """A session whose named call fails once with OutputError (say the writer's disk filled up)."""
@@ -99,7 +111,7 @@ def call(got, name, fn):
         got.append((name, type(e).__name__, str(e)))
 
 
-def steps(w, rank, got, hook_error_on=None):
+def steps(w, rank, got, hook_error_on=None, forward_error_on=None):
     """Three steps a vLLM engine that goes on after errors would run, then the driver's calls."""
     cap = w._hscapture
     for k, (rid, n) in enumerate((("a", 3), ("b", 4), ("c", 2))):
@@ -110,6 +122,10 @@ def steps(w, rank, got, hook_error_on=None):
             got.append((f"begin {rid}", type(e).__name__, str(e)))
             continue
         w.runner.lay_out([rid])
+        if forward_error_on == (rank, rid):  # vLLM's forward raised on this rank alone, after its collectives
+            cap.abandon(RuntimeError("CUDA error: an illegal memory access was encountered"))
+            got.append((f"forward {rid}", "raised"))
+            continue
         for slot in range(len(cap.layer_ids)):
             h = rows_tagged(slot, n)
             if hook_error_on == (rank, rid) and slot == 0:
@@ -139,6 +155,20 @@ def test_a_hook_error_on_one_rank_stops_both_at_the_step_end(tmp_path, rank):
     assert mine[-1] == other[-1] == ("close", "ok"), "close never raises: both ranks go on alike"
     with pytest.raises(ShapeContractError, match=rf"raised by the worker of rank {rank}\]"):
         failures.raise_recorded(tmp_path)  # only the failed rank's own error was recorded
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_forward_that_raised_on_one_rank_stops_both_without_a_hang(tmp_path, rank):
+    ws, res = two_ranks(tmp_path, lambda w, r: None, lambda w, r, got: steps(w, r, got, forward_error_on=(rank, "b")))
+    mine, other = res[rank], res[1 - rank]
+    assert not [x for x in mine + other if x[0] == "HANG"], res
+    assert ws[0]._hscapture.tp.log == ws[1]._hscapture.tp.log == ["meet"] * 7, "a, b: begin and end; c: begin; drain; close"
+    assert mine[1] == ("forward b", "raised")
+    assert mine[2][:2] == ("begin c", "HscaptureError") and mine[2][2].startswith("the forward of a step raised RuntimeError")
+    assert other[1][:2] == ("end b", "HscaptureError") and f"tensor-parallel rank {rank} (global rank {rank}) failed" in other[1][2]
+    assert mine[-1] == other[-1] == ("close", "ok")
+    with pytest.raises(HscaptureError, match=rf"illegal memory access.*raised by the worker of rank {rank}\]"):
+        failures.raise_recorded(tmp_path)
 
 
 def test_a_writer_failure_on_rank_0_alone_stops_both_without_a_hang(tmp_path):
@@ -228,3 +258,38 @@ def test_a_rank_mismatch_leaves_no_step_half_begun():
     with pytest.raises(RankMismatchError, match=r"ranks \[1\] disagree"):
         w.step(sched(new=[new_req("a", [1, 2, 3], None)], n={"a": 3}), ["a"])
     assert not w._hscapture.session.in_step
+
+
+def _gloo_rank(rank: int, path: str, q) -> None:
+    import torch.distributed as dist
+
+    from hscapture.vllm_compat import TPGroup
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    tp = object.__new__(TPGroup)
+    tp.size, tp.rank, tp._cpu_group = 2, rank, dist.group.WORLD
+    if rank == 0:  # an abandoned step's meeting, started; then the next meeting
+        pending = tp.start_all_gather_i64s([1, 0, 0, 0])
+        second = tp.all_gather_i64s([2, 0, 0, 0])
+        first = pending()
+    else:
+        first = tp.all_gather_i64s([10, 0, 0, 1])
+        second = tp.all_gather_i64s([20, 0, 0, 1])
+    q.put((rank, first, second))
+    dist.destroy_process_group()
+
+
+def test_a_started_meeting_pairs_in_issue_order_over_gloo(tmp_path):
+    """What ``abandon`` relies on: a meeting started without waiting pairs with the others' next one."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_gloo_rank, args=(r, str(tmp_path / "store"), q)) for r in range(2)]
+    for p in ps:
+        p.start()
+    got = sorted(q.get(timeout=60) for _ in ps)
+    for p in ps:
+        p.join(30)
+    for _rank, first, second in got:
+        assert [r[0] for r in first] == [1, 10] and [r[0] for r in second] == [2, 20]

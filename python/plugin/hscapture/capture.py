@@ -138,10 +138,9 @@ class WorkerCapture:
                 "settings in additional_config"
             )
             self._failed(e)  # raised at the step's end (see _on_capture); the driver re-raises it by type
-            return
-        if self._active:
+        elif self._active:
             self._traced_taps += 1
-        self._on_capture(slot, hidden, residual)
+        self._on_capture(slot, hidden, residual)  # after a failure: only its collectives, no capture
 
     def _enable_device(self, vc: Any) -> str:
         """The capture path for CUDA tensors: ``device`` (kernel + arena + async copies), ``host`` (copies
@@ -231,6 +230,7 @@ class WorkerCapture:
         self._failure: HscaptureError | None = None  # the first error of this capture (it refuses all after)
         self._stopped_by: list[str] | None = None  # the TP ranks whose failure stopped this one
         self._failure_raised = False  # whether the first failure was raised once already (as itself)
+        self._pending_meeting: Any = None  # a meeting started by `abandon`, waited for by the next one
         self._total = 0
         self._forward_tokens = 0
         # The RPC surface (speculators' drivers): the driver's per-step view, admission order, answer shape.
@@ -330,6 +330,13 @@ class WorkerCapture:
                 self._capture(slot, hidden, residual)
         except HscaptureError as e:
             self._failed(e)
+        except Exception as e:  # noqa: BLE001 - kept typed for the step's end, like the capture's own errors
+            err = HscaptureError(
+                f"a hook of layer id {self.layer_ids[slot]} (slot {slot}) failed with an unexpected "
+                f"{type(e).__name__}: {e}; expected none (a bug in hscapture, or the machine failing)"
+            )
+            err.__cause__ = e
+            self._failed(err)
 
     def _capture(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
         if not self.session.planned:
@@ -436,13 +443,16 @@ class WorkerCapture:
             # the failure was raised by the call where it happened, or is recorded for the driver now.
             log.error("hscapture: closing the capture: %s", e)
         finally:
-            if self.link is not None:
-                self.link.close()
             for h in self.handles:
                 h.remove()
             self.handles = []
             self._deactivate()
-            self.session.finish()
+            for part in ([self.link.close] if self.link is not None else []) + [self.session.finish]:
+                try:
+                    part()
+                except HscaptureError as e:  # the writer's error again, say: recorded, logged, not raised
+                    self._failed(e)
+                    log.error("hscapture: closing the capture: %s", e)
 
     def _deactivate(self) -> None:
         if self._traced:
@@ -453,16 +463,25 @@ class WorkerCapture:
 
     def abandon(self, exc: BaseException) -> None:
         """The step's forward raised ``exc``: its rows are lost, so the capture stops (a gap would follow).
-        No meeting here: if the forward failed on this rank alone, the others wait in the model's own
-        collectives; if on all, all skip it alike. The next meeting tells the others."""
+        The meeting of the step's end is started here but not waited for: if the forward failed on this
+        rank alone, the others may be waiting in the model's own collectives instead."""
         self._active = False
         if self.session.in_step:
             self.session.abandon_step()
-        if isinstance(exc, Exception) and self._failure is None:
-            self._failed(exc if isinstance(exc, HscaptureError) else HscaptureError(
-                f"the forward of a step raised {type(exc).__name__}: {exc}; expected it to finish, since that step's "
-                "prompt rows are now lost and its requests would have a gap, so this capture stops (fix the cause "
-                "and re-run: the run resumes)"))
+        if not isinstance(exc, Exception):
+            return
+        if self._failure is None:
+            if isinstance(exc, HscaptureError):
+                self._failed(exc)
+                self._failure_raised = True  # it is propagating now
+            else:
+                self._failed(HscaptureError(
+                    f"the forward of a step raised {type(exc).__name__}: {exc}; expected it to finish, since that "
+                    "step's prompt rows are now lost and its requests would have a gap, so this capture stops (fix "
+                    "the cause and re-run: the run resumes)"))
+        # The others may be in this step's end, meeting: this rank says it failed without waiting for
+        # them (they may instead wait in the model's collectives); its next meeting waits for this one.
+        meeting.start(self, "a step whose forward failed")
 
     def _recorded(self, call: Any) -> Any:
         """``call()``; its error is this capture's failure (recorded for the driver, refused after)."""

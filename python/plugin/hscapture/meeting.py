@@ -10,8 +10,9 @@ failed rank does meet the others again.)
 
 - A rank whose capture failed (in this call, in a hook of this step, or before) raises its own error.
   Hooks never raise: they keep their error for the step's end, since a rank whose forward stopped would
-  leave the others waiting in the model's own collectives. A forward that raised meets nobody either
-  (``WorkerCapture.abandon``); the next meeting tells the others.
+  leave the others waiting in the model's own collectives. A forward that raised starts its end's meeting
+  without waiting for it (``start``: the others may be in the model's collectives instead); the next
+  meeting waits for it first.
 - The others raise a peer error naming it. It is not recorded for the driver, which reports the failed
   rank's own error.
 - Ranks that accounted different numbers of steps, or steps whose checksums differ, raise
@@ -37,9 +38,25 @@ def digest(outcomes: list) -> int:
     return d - (1 << 64) if d >= 1 << 63 else d
 
 
+def start(cap: Any, what: str) -> None:
+    """The meeting of a step whose forward raised: this rank's record (failed, nothing accounted) is sent
+    without waiting for the others; the next ``meet`` waits for it first, so the order of meetings is the
+    same on every rank."""
+    wait_pending(cap)
+    if cap.tp.size > 1:
+        cap._pending_meeting = cap.tp.start_all_gather_i64s([1, 0, digest([]), int(cap.global_rank)])
+
+
+def wait_pending(cap: Any) -> None:
+    pending, cap._pending_meeting = cap._pending_meeting, None
+    if pending is not None:
+        pending()  # the others' records: they learn of this rank's failure from it; it already knows
+
+
 def meet(cap: Any, what: str, call: Callable[[], list]) -> list:
     """Runs ``call`` (unless the capture failed before), meets the other TP ranks and checks the steps it
     accounted; returns them. ``cap`` is a ``WorkerCapture`` (its ``tp``, ``session`` and failure state)."""
+    wait_pending(cap)
     outcomes: list = []
     error: BaseException | None = None
     if cap._failure is None:

@@ -201,6 +201,22 @@ class TPGroup:
         dist.all_gather(out, t, group=self._cpu_group)
         return [x.tolist() for x in out]
 
+    def start_all_gather_i64s(self, values: list[int]) -> Any:
+        """``all_gather_i64s`` started without waiting; returns a function that waits and gives the result.
+        Collectives are paired across ranks in the order they are issued, started or not."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.int64)
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        work = dist.all_gather(out, t, group=self._cpu_group, async_op=True)
+
+        def finish() -> list[list[int]]:
+            work.wait()
+            return [x.tolist() for x in out]
+
+        return finish
+
     def all_gather_i64(self, value: int) -> list[int]:
         import torch
         import torch.distributed as dist

@@ -260,14 +260,9 @@ class WorkerCapture:
         """After a failure nothing goes on: vLLM may keep scheduling steps after a worker raised (0.23's
         batch queue went on for four more steps), and a driver must never get a successful result from a
         run that lost a step."""
-        e = self._failure
         if self._stopped_by is not None:
-            e = HscaptureError(
-                f"{what} refused: {', '.join(self._stopped_by)} failed at an earlier step and this rank stopped with "
-                "them (the driver reports their own error; their logs have it)"
-            )
-            e.hscapture_peer = True
-            raise e
+            raise self._peer_error(f"{what} refused: {', '.join(self._stopped_by)} failed at an earlier step")
+        e = self._failure
         raise type(e)(
             f"{what} refused: this rank (rank {self.global_rank}) failed earlier, so the capture has a gap; "
             f"expected no failure, found: {e}. Fix that and re-run: complete samples already on disk are kept and "
@@ -277,13 +272,17 @@ class WorkerCapture:
     def _stopped_by_peers(self, what: str, peers: list[str]) -> None:
         """Other TP ranks failed: this one stops too (not recorded: their own error is the root cause)."""
         self._stopped_by, self._failure_raised = peers, True
+        self._failure = self._peer_error(f"{what} refused: {', '.join(peers)} failed")
+        raise self._failure
+
+    @staticmethod
+    def _peer_error(said: str) -> HscaptureError:
         e = HscaptureError(
-            f"{what} refused: {', '.join(peers)} failed (the driver reports their own error; their logs have it); "
-            "expected every rank to be capturing, so this rank stops with them"
+            f"{said} (the driver reports their own error; their logs have it); expected every rank to be "
+            "capturing, so this rank stops with them"
         )
         e.hscapture_peer = True  # record_failure leaves it out
-        self._failure = e
-        raise e
+        return e
 
     def begin(self, scheduler_output: Any) -> None:
         try:  # device steps still in flight beyond the one overlap keeps are accounted here
@@ -331,12 +330,7 @@ class WorkerCapture:
         except HscaptureError as e:
             self._failed(e)
         except Exception as e:  # noqa: BLE001 - kept typed for the step's end, like the capture's own errors
-            err = HscaptureError(
-                f"a hook of layer id {self.layer_ids[slot]} (slot {slot}) failed with an unexpected "
-                f"{type(e).__name__}: {e}; expected none (a bug in hscapture, or the machine failing)"
-            )
-            err.__cause__ = e
-            self._failed(err)
+            self._failed(meeting.unexpected(f"the hook of layer id {self.layer_ids[slot]} (slot {slot})", e))
 
     def _capture(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
         if not self.session.planned:

@@ -38,6 +38,16 @@ def digest(outcomes: list) -> int:
     return d - (1 << 64) if d >= 1 << 63 else d
 
 
+def unexpected(where: str, e: Exception) -> HscaptureError:
+    """A non-hscapture exception, typed (its cause kept): what a rank keeps and reports at a meeting."""
+    err = HscaptureError(
+        f"{where}: an unexpected {type(e).__name__} on this rank: {e}; expected none (a bug in hscapture, or the "
+        "machine failing); the run stops here on every rank"
+    )
+    err.__cause__ = e
+    return err
+
+
 def start(cap: Any, what: str) -> None:
     """The meeting of a step whose forward raised: this rank's record (failed, nothing accounted) is sent
     without waiting for the others; the next ``meet`` waits for it first, so the order of meetings is the
@@ -66,15 +76,12 @@ def meet(cap: Any, what: str, call: Callable[[], list]) -> list:
             cap._failed(e)
             error = e
         except Exception as e:  # noqa: BLE001 - still meet the others, then raise it typed
-            error = HscaptureError(
-                f"{what}: an unexpected {type(e).__name__} on this rank: {e}; expected none (a bug in hscapture, or "
-                "the machine failing); the run stops here on every rank"
-            )
-            error.__cause__ = e
+            error = unexpected(what, e)
             cap._failed(error)
     failed = int(cap._failure is not None)
-    mine = [failed, len(outcomes), digest(outcomes), int(cap.global_rank)]
-    records = cap.tp.all_gather_i64s(mine) if cap.tp.size > 1 else [mine]
+    records = []  # one rank: nobody to meet (the per-step path at TP=1 stays as it was)
+    if cap.tp.size > 1:
+        records = cap.tp.all_gather_i64s([failed, len(outcomes), digest(outcomes), int(cap.global_rank)])
     if error is not None:
         cap._failure_raised = True
         raise error
@@ -86,6 +93,8 @@ def meet(cap: Any, what: str, call: Callable[[], list]) -> list:
     peers = [f"tensor-parallel rank {r} (global rank {rec[3]})" for r, rec in enumerate(records) if rec[0]]
     if peers:
         cap._stopped_by_peers(what, peers)
+    if not records:
+        return outcomes
     try:
         counts = [rec[1] for rec in records]
         if len(set(counts)) > 1:

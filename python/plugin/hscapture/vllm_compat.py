@@ -191,19 +191,10 @@ class TPGroup:
 
         return get_tp_group().all_gather(t.contiguous(), dim=0)
 
-    def all_gather_i64s(self, values: list[int]) -> list[list[int]]:
-        """Every rank's list of int64 (all of the same length), in rank order."""
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.int64)
-        out = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(out, t, group=self._cpu_group)
-        return [x.tolist() for x in out]
-
     def start_all_gather_i64s(self, values: list[int]) -> Any:
-        """``all_gather_i64s`` started without waiting; returns a function that waits and gives the result.
-        Collectives are paired across ranks in the order they are issued, started or not."""
+        """Every rank's list of int64 (all of the same length), in rank order, over the CPU group: started
+        without waiting; returns a function that waits and gives the result. Collectives are paired across
+        ranks in the order they are issued, started or not."""
         import torch
         import torch.distributed as dist
 
@@ -217,16 +208,13 @@ class TPGroup:
 
         return finish
 
-    def all_gather_i64(self, value: int) -> list[int]:
-        import torch
-        import torch.distributed as dist
+    def all_gather_i64s(self, values: list[int]) -> list[list[int]]:
+        return self.start_all_gather_i64s(values)()
 
+    def all_gather_i64(self, value: int) -> list[int]:
         if self.size == 1:
             return [value]
-        t = torch.tensor([value], dtype=torch.int64)
-        out = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(out, t, group=self._cpu_group)
-        return [int(x.item()) for x in out]
+        return [r[0] for r in self.all_gather_i64s([value])]
 
 
 def pp_info() -> tuple[int, int]:

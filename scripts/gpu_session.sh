@@ -8,6 +8,7 @@
 #
 # WHAT (default "tests,bench"): tests = tests/gpu; bench = bench/gpu.py for the Llama-8B and DeepSeek-V3
 # shapes with modes plain,hscapture,hscapture_inline,vllm; durable = the same with hscapture_durable;
+# TESTS (environment) narrows the tests part to given pytest paths/node ids;
 # MODELS, MODES and PROMPTS (environment) override the bench part's defaults; HSBENCH_ASYNC=0|1 forces
 # vLLM's asynchronous scheduling off/on in every mode (does hscapture's per-step wait cost the overlap?);
 # compiled = eager vs torch.compile (no CUDA graphs) vs CUDA graphs, Llama shape
@@ -35,10 +36,10 @@ case "$what" in
     export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn HF_HUB_OFFLINE=1
     out=${OUT:-/tmp/out}
     mkdir -p "$out"
-    rm -rf /tmp/hs && mkdir -p /tmp/hs && cp -r tests bench /tmp/hs/
+    rm -rf /tmp/hs && mkdir -p /tmp/hs && cp -r tests bench pyproject.toml /tmp/hs/   # pyproject: pytest's markers
     cd /tmp/hs
     if [[ ",$parts," == *",tests,"* ]]; then
-      python3 -m pytest tests/gpu -q -s 2>&1 | tail -60 | tee "$out/tests.log"
+      python3 -m pytest ${TESTS:-tests/gpu} -q -s --durations=12 2>&1 | tail -80 | tee "$out/tests.log"
     fi
     if [[ ",$parts," == *",bench,"* ]]; then
       python3 bench/gpu.py --models "${MODELS:-llama8b,dsv3}" --modes "${MODES:-plain,hscapture,hscapture_inline,vllm}" \

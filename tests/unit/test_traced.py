@@ -108,10 +108,10 @@ def test_speculators_rpc_setup_is_refused_once_the_model_is_compiled():
         worker._setup_hidden_states_capture([1, 2])
 
 
-def _cfg(mode, cudagraphs="NONE", device="cpu"):
+def _cfg(mode, cudagraphs="NONE", device="cpu", **passes):
     cg = SimpleNamespace(name=cudagraphs)
-    return SimpleNamespace(compilation_config=SimpleNamespace(mode=mode, cudagraph_mode=cg),
-                           device_config=SimpleNamespace(device_type=device))
+    cc = SimpleNamespace(mode=mode, cudagraph_mode=cg, pass_config=SimpleNamespace(**passes))
+    return SimpleNamespace(compilation_config=cc, device_config=SimpleNamespace(device_type=device))
 
 
 def test_which_compilation_modes_are_captured(monkeypatch):
@@ -124,9 +124,20 @@ def test_which_compilation_modes_are_captured(monkeypatch):
         compiled(_cfg(3, "FULL_AND_PIECEWISE", "cuda"))
     with pytest.raises(CompatibilityError, match="CUDA graphs"):
         compiled(_cfg(3, "PIECEWISE", "cpu"))
-    with pytest.raises(CompatibilityError, match="verified on vLLM's CPU platform only.*HSCAPTURE_CUDA_COMPILE=1"):
+    with pytest.raises(CompatibilityError, match="only as an opt-in.*HSCAPTURE_CUDA_COMPILE=1"):
         compiled(_cfg(3, "NONE", "cuda"))
     monkeypatch.setenv("HSCAPTURE_CUDA_COMPILE", "1")  # the opt-in: compile on CUDA, still without CUDA graphs
     assert compiled(_cfg(3, "NONE", "cuda")) is True
     with pytest.raises(CompatibilityError, match="CUDA graphs"):
         compiled(_cfg(3, "PIECEWISE", "cuda"))
+
+
+def test_the_sequence_parallelism_pass_is_refused_under_compile():
+    """vLLM's SP pass (0.23's `enable_sp`, older `enable_sequence_parallelism`) shards the residual inside the
+    compiled graph; eager runs never apply it, unresolved (None) or off is fine."""
+    for name in ("enable_sp", "enable_sequence_parallelism"):
+        with pytest.raises(CompatibilityError, match=f"sequence-parallelism pass.*{name}.*enforce_eager"):
+            compiled(_cfg(3, **{name: True}))
+        assert compiled(_cfg(3, **{name: False})) is True
+        assert compiled(_cfg(3, **{name: None})) is True
+        assert compiled(_cfg(0, **{name: True})) is False

@@ -147,8 +147,9 @@ class RunnerOrder:
 def compiled(vllm_config: Any) -> bool:
     """Whether vLLM will run the model through torch.compile (the hooks are then traced into its graph and
     call hscapture's ops, ``traced.py``). Refuses what is not verified: CUDA graphs (a replayed graph would
-    not call the ops, so prompt tokens would be silently lost) and torch.compile on CUDA unless opted in
-    (``HSCAPTURE_CUDA_COMPILE=1``: not yet run there)."""
+    not call the ops, so prompt tokens would be silently lost), vLLM's sequence-parallelism pass (it shards the
+    residual across TP ranks inside the compiled graph, where the taps are not verified) and torch.compile on
+    CUDA unless opted in (``HSCAPTURE_CUDA_COMPILE=1``: run on an H200 with the V1 runner only)."""
     cc = getattr(vllm_config, "compilation_config", None)
     mode = getattr(cc, "mode", None)
     if mode is None:
@@ -163,12 +164,20 @@ def compiled(vllm_config: Any) -> bool:
             f"hscapture cannot capture inside CUDA graphs (compilation mode {mode}, cudagraph_mode {cudagraphs}): a "
             "replayed graph skips the capture; start vLLM with enforce_eager=True (`--enforce-eager`)"
         )
+    passes = getattr(cc, "pass_config", None)
+    for name in ("enable_sp", "enable_sequence_parallelism"):  # vLLM's names for the pass, newer and older
+        if getattr(passes, name, None) is True:
+            raise CompatibilityError(
+                f"vLLM's sequence-parallelism pass is on (compilation_config.pass_config.{name}=True): it shards "
+                "the residual across the TP ranks inside the compiled graph, where hscapture's taps are not "
+                f"verified; turn it off (pass_config {{'{name}': False}}) or start vLLM with enforce_eager=True"
+            )
     if device != "cpu":
         if not envs.get("HSCAPTURE_CUDA_COMPILE"):
             raise CompatibilityError(
-                f"capturing under torch.compile (compilation mode {mode}) is verified on vLLM's CPU platform only, not "
-                f"yet on {device}; start vLLM with enforce_eager=True (`--enforce-eager`), or set "
-                "HSCAPTURE_CUDA_COMPILE=1 to try it (with cudagraph_mode NONE)"
+                f"capturing under torch.compile (compilation mode {mode}) is verified on vLLM's CPU platform and, on "
+                f"{device}, only as an opt-in so far (one H200 run, V1 runner); start vLLM with enforce_eager=True "
+                "(`--enforce-eager`), or set HSCAPTURE_CUDA_COMPILE=1 to use it (with cudagraph_mode NONE)"
             )
     return True
 

@@ -134,10 +134,11 @@ def test_which_compilation_modes_are_captured(monkeypatch):
 
 def test_the_sequence_parallelism_pass_is_refused_under_compile():
     """vLLM's SP pass (0.23's `enable_sp`, older `enable_sequence_parallelism`) shards the residual inside the
-    compiled graph; eager runs never apply it, unresolved (None) or off is fine."""
+    compiled graph (VLLM_COMPILE only); eager runs never apply it, unresolved (None) or off is fine."""
     for name in ("enable_sp", "enable_sequence_parallelism"):
         with pytest.raises(CompatibilityError, match=f"sequence-parallelism pass.*{name}.*enforce_eager"):
             compiled(_cfg(3, **{name: True}))
         assert compiled(_cfg(3, **{name: False})) is True
         assert compiled(_cfg(3, **{name: None})) is True
         assert compiled(_cfg(0, **{name: True})) is False
+        assert compiled(_cfg(2, **{name: True})) is True  # the CPU platform's trace-once mode runs no passes

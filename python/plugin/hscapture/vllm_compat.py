@@ -166,7 +166,8 @@ def compiled(vllm_config: Any) -> bool:
         )
     passes = getattr(cc, "pass_config", None)
     for name in ("enable_sp", "enable_sequence_parallelism"):  # vLLM's names for the pass, newer and older
-        if getattr(passes, name, None) is True:
+        # vLLM applies its inductor passes in VLLM_COMPILE (mode 3) only; the CPU platform traces once (mode 2).
+        if mode == 3 and getattr(passes, name, None) is True:
             raise CompatibilityError(
                 f"vLLM's sequence-parallelism pass is on (compilation_config.pass_config.{name}=True): it shards "
                 "the residual across the TP ranks inside the compiled graph, where hscapture's taps are not "

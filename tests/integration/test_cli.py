@@ -30,7 +30,8 @@ def test_extract_writes_files_and_manifest_then_refuses_to_overwrite(tmp_path, t
     args = ["extract", "--model", model, "--input", str(inp), "--out", str(out), "--layers", "3,1",
             "--convention", "after", "--dtype", "float32", "--store-dtype", "bfloat16",
             "--max-num-batched-tokens", "16"]
-    r = run(args)
+    # vLLM's own engine arguments pass through (checked against its EngineArgs); two requests per step at most
+    r = run(args + ["--vllm-arg", "max_num_seqs=2", "--vllm-arg", "enable-chunked-prefill=true", "--trust-remote-code"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "samples     3" in r.stdout and "tokens      46" in r.stdout
     m = json.loads((out / "manifest.json").read_text())

@@ -56,8 +56,9 @@ class ExtractOptions:
     executor: str | None = None  # vLLM's distributed_executor_backend (mp, ray, ...)
     input_path: str = ""
     window: int = 1024
-    llm_kwargs: dict = field(default_factory=dict)
+    llm_kwargs: dict = field(default_factory=dict)  # more of vLLM's engine arguments (CLI: --vllm-arg, vllm_args.py)
     compile: bool = False  # vLLM's torch.compile on (enforce_eager off); see vllm_compat.compiled
+    trust_remote_code: bool = False  # run the model directory's own code (vLLM's config/model, the tokenizer)
 
 
 def prepare_out(out: Path, overwrite: bool, resume: bool = False, fmt: str = "hscapture") -> None:
@@ -250,6 +251,7 @@ def _run_extract(opts: ExtractOptions) -> ExtractReport:
         additional_config=cfg.to_additional_config(),
         seed=0,
         disable_log_stats=True,
+        trust_remote_code=opts.trust_remote_code,
     )
     if opts.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = opts.max_num_batched_tokens

@@ -84,13 +84,14 @@ def input_kind(path: str | Path) -> str:
                       "or pass speculators' prepared dataset directory")
 
 
-def open_input(path: str | Path, model: str | Path, tokenizer: str | None = None) -> PromptSet:
+def open_input(path: str | Path, model: str | Path, tokenizer: str | None = None,
+               trust_remote_code: bool = False) -> PromptSet:
     """Reads ``--input``, its kind detected from the path."""
     if input_kind(path) == "arrow":
         from .arrow import ArrowPrompts
 
         return ArrowPrompts.open(path)
-    return read_jsonl(path, lambda: load_tokenizer(model, tokenizer))
+    return read_jsonl(path, lambda: load_tokenizer(model, tokenizer, trust_remote_code))
 
 
 def read_prompts(path: str | Path, model: str | Path | None = None, tokenizer: str | None = None) -> list[list[int]]:
@@ -141,8 +142,9 @@ def read_jsonl(path: str | Path, get_tokenizer) -> PromptSet:
     return PromptSet(flat, off, masks, source=str(path))
 
 
-def load_tokenizer(model: str | Path | None, tokenizer: str | None):
-    """A callable text -> token ids: ``--tokenizer PATH``, else the model directory's tokenizer."""
+def load_tokenizer(model: str | Path | None, tokenizer: str | None, trust_remote_code: bool = False):
+    """A callable text -> token ids: ``--tokenizer PATH``, else the model directory's tokenizer (its own code
+    run only with ``--trust-remote-code``)."""
     where = tokenizer or model
     fix = 'pass --tokenizer PATH (a tokenizer directory), or give "token_ids" instead of "text"'
     if where is None:
@@ -153,10 +155,11 @@ def load_tokenizer(model: str | Path | None, tokenizer: str | None):
     try:
         from transformers import AutoTokenizer
 
-        t = AutoTokenizer.from_pretrained(str(where))
+        t = AutoTokenizer.from_pretrained(str(where), trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises OSError, ValueError, ... for an unusable directory
+        remote = "" if trust_remote_code else " (a tokenizer with its own code needs --trust-remote-code)"
         raise ConfigError(f"cannot load a tokenizer from {where}: {type(e).__name__}: {e}; pass --tokenizer with a "
-                          "directory that AutoTokenizer.from_pretrained reads") from None
+                          f"directory that AutoTokenizer.from_pretrained reads{remote}") from None
     return lambda text: list(t(text)["input_ids"])
 
 

@@ -60,7 +60,16 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--no-fsync", action="store_true", help="do not fsync files before declaring them done")
     ex.add_argument("--compile", action="store_true",
                     help="let vLLM run the model through torch.compile (the capture is traced into its graph); verified on "
-                         "vLLM's CPU platform, refused on CUDA and with CUDA graphs until verified there")
+                         "vLLM's CPU platform; on CUDA an opt-in (HSCAPTURE_CUDA_COMPILE=1, without CUDA graphs, which "
+                         "are refused)")
+    ex.add_argument("--trust-remote-code", action="store_true",
+                    help="run the model directory's own Python code (vLLM's model and config, the tokenizer of \"text\" "
+                         "prompts), as models such as Kimi-K2 need")
+    ex.add_argument("--vllm-arg", action="append", default=None, metavar="KEY=VALUE",
+                    help="one of vLLM's engine arguments, passed to vllm.LLM (repeat for more), e.g. "
+                         "gpu_memory_utilization=0.9, enable_expert_parallel=true, max_num_seqs=64, "
+                         "kv_cache_dtype=fp8; VALUE is read as JSON when it parses, else as text; checked against "
+                         "vllm.EngineArgs before vLLM starts")
 
     de = sub.add_parser("demo", help="run the whole path on a tiny DeepSeek-V3-shaped model and check it against HF")
     de.add_argument("--out", default="hscapture-demo", help="output directory (replaced)")
@@ -94,12 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "extract":
             quiet_vllm()
+            from . import vllm_args
             from .extract import ExtractOptions, default_writer_threads, run_extract
             from .inputs import open_input
 
             tty = sys.stdout.isatty()
+            engine = vllm_args.parse(args.vllm_arg)  # before the input is read: a typo costs nothing
             rep = run_extract(ExtractOptions(
-                model=args.model, prompts=open_input(args.input, args.model, args.tokenizer), out=args.out,
+                model=args.model, prompts=open_input(args.input, args.model, args.tokenizer, args.trust_remote_code),
+                out=args.out, llm_kwargs=engine, trust_remote_code=args.trust_remote_code,
                 convention=args.convention, layers=args.layers, tp=args.tp, pp=args.pp, on_nonfinite=args.on_nonfinite, compress=args.compress, dtype=args.dtype, store_dtype=args.store_dtype,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 overwrite=args.overwrite, resume=args.resume, writer_threads=default_writer_threads() if args.writer_threads is None else args.writer_threads,

@@ -1,0 +1,76 @@
+"""``extract --vllm-arg KEY=VALUE``: vLLM's own engine arguments, passed through to ``vllm.LLM``.
+
+A large model needs settings hscapture has no flag for (``gpu_memory_utilization``, ``enable_expert_parallel``,
+``quantization``, ``kv_cache_dtype``, ``max_num_seqs``, ``hf_overrides``...). Each is checked before vLLM starts:
+the key must be one of vLLM's ``EngineArgs`` fields (a typo is named, with the nearest fields), and the keys
+hscapture sets itself are refused with the flag that sets them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+
+from ..errors import ConfigError
+
+# Keys hscapture owns, and what to use instead.
+_OWNED = {
+    "model": "--model",
+    "tensor_parallel_size": "--tp",
+    "pipeline_parallel_size": "--pp",
+    "dtype": "--dtype",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "max_model_len": "--max-model-len",
+    "distributed_executor_backend": "--executor",
+    "enforce_eager": "--compile (hscapture runs vLLM eager unless --compile is given)",
+    "trust_remote_code": "--trust-remote-code (it also applies to the tokenizer of \"text\" prompts)",
+    "skip_tokenizer_init": "nothing: hscapture loads vLLM's tokenizer only when the model directory has one",
+    "worker_cls": "nothing: hscapture runs vLLM with its own worker class",
+    "worker_extension_cls": "nothing: hscapture runs vLLM with its own worker class",
+    "additional_config": "hscapture's own flags: it passes its settings to the workers this way",
+}
+
+
+def _value(text: str):
+    """JSON when it parses (numbers, true/false/null, objects, lists, quoted strings), else the text itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def engine_fields() -> set[str]:
+    """The names vLLM's ``EngineArgs`` accepts (what ``LLM(**kwargs)`` hands it)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def parse(items: list[str] | None, fields: set[str] | None = None) -> dict:
+    """``["gpu_memory_utilization=0.9", "enable-expert-parallel=true"]`` -> keyword arguments for ``vllm.LLM``.
+    Dashes in a key read as underscores, as on vLLM's command line. Raises :class:`ConfigError` naming the item."""
+    out: dict = {}
+    if not items:
+        return out
+    known = engine_fields() if fields is None else fields
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ConfigError(f"--vllm-arg expects KEY=VALUE (one of vLLM's engine arguments, e.g. "
+                              f"gpu_memory_utilization=0.9), found {item!r}")
+        if key in out:
+            raise ConfigError(f"--vllm-arg {key} is given twice ({out[key]!r} and {text!r}); give it once")
+        if key in _OWNED:
+            raise ConfigError(f"--vllm-arg {key}: hscapture sets this itself; use {_OWNED[key]}")
+        if key not in known:
+            near = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = f"; nearest: {', '.join(near)}" if near else ""
+            raise ConfigError(f"--vllm-arg {key}: not one of vLLM's engine arguments (vllm.EngineArgs fields){hint}")
+        value = _value(text)
+        if key == "enable_prefix_caching" and value:
+            raise ConfigError("--vllm-arg enable_prefix_caching: a prompt prefix served from vLLM's cache is never "
+                              "computed, so its states would be missing; hscapture turns prefix caching off")
+        out[key] = value
+    return out

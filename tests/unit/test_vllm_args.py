@@ -1,0 +1,111 @@
+"""`extract --vllm-arg KEY=VALUE` and `--trust-remote-code`: vLLM's own engine arguments pass through, checked
+against vLLM's EngineArgs before anything starts; the keys hscapture sets itself are refused, naming its flag."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hscapture.cli import main as cli
+from hscapture.cli import vllm_args
+from hscapture.errors import ConfigError
+
+
+def test_values_read_as_json_else_as_text_and_dashes_as_underscores():
+    got = vllm_args.parse(["gpu_memory_utilization=0.9", "enable-expert-parallel=true", "max_num_seqs=64",
+                           "quantization=fp8", 'hf_overrides={"num_experts": 8}', "kv_cache_dtype=fp8",
+                           "enable_prefix_caching=false", "tokenizer_mode=auto"])
+    assert got == {"gpu_memory_utilization": 0.9, "enable_expert_parallel": True, "max_num_seqs": 64,
+                   "quantization": "fp8", "hf_overrides": {"num_experts": 8}, "kv_cache_dtype": "fp8",
+                   "enable_prefix_caching": False, "tokenizer_mode": "auto"}
+    assert vllm_args.parse(None) == {} and vllm_args.parse([]) == {}
+
+
+def test_a_typo_is_named_with_the_nearest_fields():
+    with pytest.raises(ConfigError, match="gpu_memory_utilisation: not one of vLLM's engine arguments.*nearest: "
+                                          "gpu_memory_utilization"):
+        vllm_args.parse(["gpu_memory_utilisation=0.9"])
+
+
+@pytest.mark.parametrize("key,flag", [("tensor_parallel_size", "--tp"), ("pipeline-parallel-size", "--pp"),
+                                      ("model", "--model"), ("enforce_eager", "--compile"),
+                                      ("trust_remote_code", "--trust-remote-code"), ("worker_cls", "own worker"),
+                                      ("additional_config", "hscapture's own flags"),
+                                      ("max_num_batched_tokens", "--max-num-batched-tokens")])
+def test_keys_hscapture_sets_are_refused_naming_its_flag(key, flag):
+    with pytest.raises(ConfigError, match=f"sets this itself; use .*{flag}"):
+        vllm_args.parse([f"{key}=1"])
+
+
+@pytest.mark.parametrize("item,match", [
+    ("gpu_memory_utilization", "expects KEY=VALUE"),
+    ("=3", "expects KEY=VALUE"),
+    ("enable_prefix_caching=true", "never computed"),
+])
+def test_malformed_items_and_prefix_caching_are_refused(item, match):
+    with pytest.raises(ConfigError, match=match):
+        vllm_args.parse([item], fields={"gpu_memory_utilization", "enable_prefix_caching"})
+
+
+def test_a_key_given_twice_is_refused():
+    with pytest.raises(ConfigError, match="max_num_seqs is given twice"):
+        vllm_args.parse(["max_num_seqs=8", "max-num-seqs=16"], fields={"max_num_seqs"})
+
+
+def _inputs(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    inp = tmp_path / "p.jsonl"
+    inp.write_text('{"token_ids": [5, 6]}\n')
+    return ["extract", "--model", str(tmp_path / "m"), "--input", str(inp), "--out", str(tmp_path / "o"),
+            "--convention", "after"]
+
+
+def test_the_cli_hands_them_to_the_extraction(tmp_path, monkeypatch):
+    from hscapture.cli import extract
+
+    seen = {}
+
+    def fake_run(opts):
+        seen["opts"] = opts
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(extract, "run_extract", fake_run)
+    rc = cli.main(_inputs(tmp_path) + ["--vllm-arg", "max_num_seqs=4", "--vllm-arg", "kv_cache_dtype=fp8",
+                                       "--trust-remote-code"])
+    assert rc == 2
+    opts = seen["opts"]
+    assert opts.llm_kwargs == {"max_num_seqs": 4, "kv_cache_dtype": "fp8"} and opts.trust_remote_code is True
+
+
+def test_a_bad_vllm_arg_fails_before_the_input_is_read(tmp_path, monkeypatch, capsys):
+    from hscapture.cli import inputs
+
+    def never(*a, **k):
+        raise AssertionError("the input was read before the engine arguments were checked")
+
+    monkeypatch.setattr(inputs, "open_input", never)
+    rc = cli.main(_inputs(tmp_path) + ["--vllm-arg", "tensor_parallel_size=8"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "ConfigError" in err and "use --tp" in err, err
+
+
+def test_trust_remote_code_reaches_the_tokenizer(monkeypatch, tmp_path):
+    import transformers
+
+    from hscapture.cli.inputs import load_tokenizer
+
+    calls = []
+
+    class FakeTokenizer:
+        @staticmethod
+        def from_pretrained(where, **kw):
+            calls.append(kw)
+            return lambda text: {"input_ids": [1, 2]}
+
+    monkeypatch.setattr(transformers, "AutoTokenizer", FakeTokenizer)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert load_tokenizer(tmp_path, None, True)("hi") == [1, 2]
+    assert load_tokenizer(tmp_path, None)("hi") == [1, 2]
+    assert calls == [{"trust_remote_code": True}, {"trust_remote_code": False}]

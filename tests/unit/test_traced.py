@@ -142,3 +142,13 @@ def test_the_sequence_parallelism_pass_is_refused_under_compile():
         assert compiled(_cfg(3, **{name: None})) is True
         assert compiled(_cfg(0, **{name: True})) is False
         assert compiled(_cfg(2, **{name: True})) is True  # the CPU platform's trace-once mode runs no passes
+
+
+def test_on_cuda_the_opt_in_is_asked_first_then_the_sp_pass_refused(monkeypatch):
+    monkeypatch.delenv("HSCAPTURE_CUDA_COMPILE", raising=False)
+    with pytest.raises(CompatibilityError, match="HSCAPTURE_CUDA_COMPILE=1"):
+        compiled(_cfg(3, "NONE", "cuda", enable_sp=True))
+    monkeypatch.setenv("HSCAPTURE_CUDA_COMPILE", "1")
+    with pytest.raises(CompatibilityError, match="sequence-parallelism pass.*compilation_config="):
+        compiled(_cfg(3, "NONE", "cuda", enable_sp=True))
+    assert compiled(_cfg(3, "NONE", "cuda", enable_sp=False)) is True

@@ -20,6 +20,16 @@ def test_values_read_as_json_else_as_text_and_dashes_as_underscores():
                    "quantization": "fp8", "hf_overrides": {"num_experts": 8}, "kv_cache_dtype": "fp8",
                    "enable_prefix_caching": False, "tokenizer_mode": "auto"}
     assert vllm_args.parse(None) == {} and vllm_args.parse([]) == {}
+    # Python's spellings too; a number stays text where the field takes text but no number (a commit id)
+    got = vllm_args.parse(["enforce-eager-is-ours=1"], fields={"enforce_eager_is_ours": "int"})
+    assert got == {"enforce_eager_is_ours": 1}
+    got = vllm_args.parse(["enable_chunked_prefill=False", "max_num_seqs=None", "revision=1234567",
+                           "served_model_name=123", "max_num_batched_tokens_x=1e3"],
+                          fields={"enable_chunked_prefill": "bool | None", "max_num_seqs": "int | None",
+                                  "revision": "str | None", "served_model_name": "str | list[str] | None",
+                                  "max_num_batched_tokens_x": "int"})
+    assert got == {"enable_chunked_prefill": False, "max_num_seqs": None, "revision": "1234567",
+                   "served_model_name": "123", "max_num_batched_tokens_x": 1000.0}
 
 
 def test_a_typo_is_named_with_the_nearest_fields():
@@ -32,7 +42,8 @@ def test_a_typo_is_named_with_the_nearest_fields():
                                       ("model", "--model"), ("enforce_eager", "--compile"),
                                       ("trust_remote_code", "--trust-remote-code"), ("worker_cls", "own worker"),
                                       ("additional_config", "hscapture's own flags"),
-                                      ("max_num_batched_tokens", "--max-num-batched-tokens")])
+                                      ("max_num_batched_tokens", "--max-num-batched-tokens"),
+                                      ("tokenizer", "--tokenizer")])
 def test_keys_hscapture_sets_are_refused_naming_its_flag(key, flag):
     with pytest.raises(ConfigError, match=f"sets this itself; use .*{flag}"):
         vllm_args.parse([f"{key}=1"])
@@ -42,15 +53,42 @@ def test_keys_hscapture_sets_are_refused_naming_its_flag(key, flag):
     ("gpu_memory_utilization", "expects KEY=VALUE"),
     ("=3", "expects KEY=VALUE"),
     ("enable_prefix_caching=true", "never computed"),
+    ("enable_prefix_caching=True", "never computed"),
+    ("enable_prefix_caching=null", "never computed"),  # None: vLLM's default, which is on
+    ("enable_prefix_caching=1", "never computed"),
 ])
 def test_malformed_items_and_prefix_caching_are_refused(item, match):
     with pytest.raises(ConfigError, match=match):
-        vllm_args.parse([item], fields={"gpu_memory_utilization", "enable_prefix_caching"})
+        vllm_args.parse([item], fields={"gpu_memory_utilization": "float", "enable_prefix_caching": "bool | None"})
+    assert vllm_args.parse(["enable_prefix_caching=False"], fields={"enable_prefix_caching": "bool | None"}) == {
+        "enable_prefix_caching": False}
 
 
 def test_a_key_given_twice_is_refused():
     with pytest.raises(ConfigError, match="max_num_seqs is given twice"):
-        vllm_args.parse(["max_num_seqs=8", "max-num-seqs=16"], fields={"max_num_seqs"})
+        vllm_args.parse(["max_num_seqs=8", "max-num-seqs=16"], fields={"max_num_seqs": "int | None"})
+
+
+def test_every_key_extract_sets_is_owned_or_deliberately_left_to_the_user():
+    """A drift check: the keyword arguments the extraction gives vllm.LLM, read from its source, are each either
+    refused here (hscapture's to set) or on the short list that may be overridden on purpose."""
+    import ast
+    import inspect
+
+    from hscapture.cli import extract
+
+    tree = ast.parse(inspect.getsource(extract._run_extract))
+    built = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["kwargs"]
+                and isinstance(node.value, ast.Call) and getattr(node.value.func, "id", None) == "dict"):
+            built |= {k.arg for k in node.value.keywords if k.arg}
+        if isinstance(node, ast.Subscript) and getattr(node.value, "id", None) == "kwargs" and isinstance(
+                node.slice, ast.Constant):
+            built.add(node.slice.value)
+    assert "worker_cls" in built and "tensor_parallel_size" in built, built  # the walk found run_extract's dict
+    overridable = {"seed", "disable_log_stats", "use_tqdm_on_load", "enable_prefix_caching"}
+    assert built - set(vllm_args._OWNED) - overridable == set()
 
 
 def _inputs(tmp_path):

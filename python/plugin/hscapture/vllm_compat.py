@@ -144,6 +144,9 @@ class RunnerOrder:
         return ids
 
 
+_VLLM_COMPILE = 3  # vLLM's CompilationMode.VLLM_COMPILE (0.16 to 0.32; the older `level` PIECEWISE was 3 too)
+
+
 def compiled(vllm_config: Any) -> bool:
     """Whether vLLM will run the model through torch.compile (the hooks are then traced into its graph and
     call hscapture's ops, ``traced.py``). Refuses what is not verified: CUDA graphs (a replayed graph would
@@ -164,21 +167,22 @@ def compiled(vllm_config: Any) -> bool:
             f"hscapture cannot capture inside CUDA graphs (compilation mode {mode}, cudagraph_mode {cudagraphs}): a "
             "replayed graph skips the capture; start vLLM with enforce_eager=True (`--enforce-eager`)"
         )
-    passes = getattr(cc, "pass_config", None)
-    for name in ("enable_sp", "enable_sequence_parallelism"):  # vLLM's names for the pass, newer and older
-        # vLLM applies its inductor passes in VLLM_COMPILE (mode 3) only; the CPU platform traces once (mode 2).
-        if mode == 3 and getattr(passes, name, None) is True:
-            raise CompatibilityError(
-                f"vLLM's sequence-parallelism pass is on (compilation_config.pass_config.{name}=True): it shards "
-                "the residual across the TP ranks inside the compiled graph, where hscapture's taps are not "
-                f"verified; turn it off (pass_config {{'{name}': False}}) or start vLLM with enforce_eager=True"
-            )
     if device != "cpu":
         if not envs.get("HSCAPTURE_CUDA_COMPILE"):
             raise CompatibilityError(
                 f"capturing under torch.compile (compilation mode {mode}) is verified on vLLM's CPU platform and, on "
                 f"{device}, only as an opt-in so far (one H200 run, V1 runner); start vLLM with enforce_eager=True "
                 "(`--enforce-eager`), or set HSCAPTURE_CUDA_COMPILE=1 to use it (with cudagraph_mode NONE)"
+            )
+    passes = getattr(cc, "pass_config", None)
+    for name in ("enable_sp", "enable_sequence_parallelism"):  # vLLM's names for the pass, newer and older
+        # vLLM runs its inductor passes in VLLM_COMPILE only; the CPU platform traces once (DYNAMO_TRACE_ONCE).
+        if mode == _VLLM_COMPILE and getattr(passes, name, None) is True:
+            raise CompatibilityError(
+                f"vLLM's sequence-parallelism pass is on (compilation_config.pass_config.{name}=True): it shards "
+                "the residual across the TP ranks inside the compiled graph, where hscapture's taps are not "
+                f"verified; turn it off (`--vllm-arg 'compilation_config={{\"pass_config\": {{\"{name}\": false}}}}'`, "
+                "or the same compilation_config in vllm.LLM) or run eager (no --compile / enforce_eager=True)"
             )
     return True
 

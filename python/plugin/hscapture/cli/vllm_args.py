@@ -26,28 +26,42 @@ _OWNED = {
     "enforce_eager": "--compile (hscapture runs vLLM eager unless --compile is given)",
     "trust_remote_code": "--trust-remote-code (it also applies to the tokenizer of \"text\" prompts)",
     "skip_tokenizer_init": "nothing: hscapture loads vLLM's tokenizer only when the model directory has one",
+    "tokenizer": "--tokenizer (hscapture tokenizes \"text\" prompts itself; vLLM gets token ids)",
     "worker_cls": "nothing: hscapture runs vLLM with its own worker class",
-    "worker_extension_cls": "nothing: hscapture runs vLLM with its own worker class",
+    "worker_extension_cls": "nothing: hscapture's worker class carries the capture; an extension would not be loaded "
+                            "the way hscapture expects",
     "additional_config": "hscapture's own flags: it passes its settings to the workers this way",
 }
+_WORDS = {"true": True, "false": False, "null": None, "none": None}
 
 
-def _value(text: str):
-    """JSON when it parses (numbers, true/false/null, objects, lists, quoted strings), else the text itself."""
+def _value(text: str, annotation: str):
+    """True/False/None in any case; otherwise JSON when it parses (numbers, objects, lists, quoted strings), else
+    the text itself; a number stays text for a field that takes text but no number (a revision such as 1234567)."""
+    word = text.strip().lower()
+    if word in _WORDS:
+        return _WORDS[word]
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except ValueError:
         return text
+    kinds = set(annotation.replace(" ", "").replace("typing.", "").replace("Optional[str]", "str").split("|"))
+    if isinstance(value, (int, float)) and "str" in kinds and not kinds & {"int", "float", "Any"}:
+        return text
+    return value
 
 
-def engine_fields() -> set[str]:
-    """The names vLLM's ``EngineArgs`` accepts (what ``LLM(**kwargs)`` hands it)."""
+def engine_fields() -> dict[str, str]:
+    """The names vLLM's ``EngineArgs`` accepts (what ``LLM(**kwargs)`` hands it), with their annotations."""
     from vllm.engine.arg_utils import EngineArgs
 
-    return {f.name for f in dataclasses.fields(EngineArgs)}
+    def text(t) -> str:
+        return t if isinstance(t, str) else t.__name__ if isinstance(t, type) else str(t)
+
+    return {f.name: text(f.type) for f in dataclasses.fields(EngineArgs)}
 
 
-def parse(items: list[str] | None, fields: set[str] | None = None) -> dict:
+def parse(items: list[str] | None, fields: dict[str, str] | None = None) -> dict:
     """``["gpu_memory_utilization=0.9", "enable-expert-parallel=true"]`` -> keyword arguments for ``vllm.LLM``.
     Dashes in a key read as underscores, as on vLLM's command line. Raises :class:`ConfigError` naming the item."""
     out: dict = {}
@@ -68,9 +82,10 @@ def parse(items: list[str] | None, fields: set[str] | None = None) -> dict:
             near = difflib.get_close_matches(key, sorted(known), n=3)
             hint = f"; nearest: {', '.join(near)}" if near else ""
             raise ConfigError(f"--vllm-arg {key}: not one of vLLM's engine arguments (vllm.EngineArgs fields){hint}")
-        value = _value(text)
-        if key == "enable_prefix_caching" and value:
-            raise ConfigError("--vllm-arg enable_prefix_caching: a prompt prefix served from vLLM's cache is never "
-                              "computed, so its states would be missing; hscapture turns prefix caching off")
+        value = _value(text, known[key])
+        if key == "enable_prefix_caching" and value is not False:
+            raise ConfigError(f"--vllm-arg enable_prefix_caching={text}: a prompt prefix served from vLLM's cache is "
+                              "never computed, so its states would be missing; hscapture turns prefix caching off "
+                              "(false is the only value accepted)")
         out[key] = value
     return out

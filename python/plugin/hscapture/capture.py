@@ -475,7 +475,7 @@ class WorkerCapture:
                     "the cause and re-run: the run resumes)"))
         # The others may be in this step's end, meeting: this rank says it failed without waiting for
         # them (they may instead wait in the model's collectives); its next meeting waits for this one.
-        meeting.start(self, "a step whose forward failed")
+        meeting.start(self)
 
     def _recorded(self, call: Any) -> Any:
         """``call()``; its error is this capture's failure (recorded for the driver, refused after)."""

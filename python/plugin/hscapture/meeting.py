@@ -48,7 +48,7 @@ def unexpected(where: str, e: Exception) -> HscaptureError:
     return err
 
 
-def start(cap: Any, what: str) -> None:
+def start(cap: Any) -> None:
     """The meeting of a step whose forward raised: this rank's record (failed, nothing accounted) is sent
     without waiting for the others; the next ``meet`` waits for it first, so the order of meetings is the
     same on every rank."""

@@ -174,10 +174,10 @@ def compiled(vllm_config: Any) -> bool:
                 f"{device}, only as an opt-in so far (one H200 run, V1 runner); start vLLM with enforce_eager=True "
                 "(`--enforce-eager`), or set HSCAPTURE_CUDA_COMPILE=1 to use it (with cudagraph_mode NONE)"
             )
-    passes = getattr(cc, "pass_config", None)
+    # vLLM runs its inductor passes in VLLM_COMPILE only; the CPU platform traces once (DYNAMO_TRACE_ONCE).
+    passes = getattr(cc, "pass_config", None) if mode == _VLLM_COMPILE else None
     for name in ("enable_sp", "enable_sequence_parallelism"):  # vLLM's names for the pass, newer and older
-        # vLLM runs its inductor passes in VLLM_COMPILE only; the CPU platform traces once (DYNAMO_TRACE_ONCE).
-        if mode == _VLLM_COMPILE and getattr(passes, name, None) is True:
+        if getattr(passes, name, None) is True:
             raise CompatibilityError(
                 f"vLLM's sequence-parallelism pass is on (compilation_config.pass_config.{name}=True): it shards "
                 "the residual across the TP ranks inside the compiled graph, where hscapture's taps are not "

@@ -17,11 +17,11 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use hscapture_kernels::DType;
-use hscapture_worker::layers::{Convention, LayerPlan};
-use hscapture_worker::plan::{NewRequest, StepInput};
-use hscapture_worker::session::{Session, SessionConfig};
-use hscapture_worker::tensor::{Device, TensorDesc};
-use hscapture_worker::writer::{Writer, WriterConfig};
+use hscapture_worker::attribution::layers::{Convention, LayerPlan};
+use hscapture_worker::attribution::plan::{NewRequest, StepInput};
+use hscapture_worker::capture::session::{Session, SessionConfig};
+use hscapture_worker::capture::tensor::{Device, TensorDesc};
+use hscapture_worker::output::writer::{Writer, WriterConfig};
 use hscapture_worker::CoreResult;
 
 const SLOTS: usize = 4;

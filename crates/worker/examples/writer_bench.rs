@@ -15,9 +15,9 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use hscapture_kernels::DType;
-use hscapture_worker::plan::SampleKey;
-use hscapture_worker::sample::Sample;
-use hscapture_worker::writer::{Writer, WriterConfig};
+use hscapture_worker::attribution::plan::SampleKey;
+use hscapture_worker::output::sample::Sample;
+use hscapture_worker::output::writer::{Writer, WriterConfig};
 
 const SLOTS: usize = 4;
 const WIDTH: usize = 4096;

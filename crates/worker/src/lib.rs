@@ -1,30 +1,21 @@
 //! hscapture's core. Everything that decides — token attribution, the shape contract, the cross-rank
-//! check, assembly and the writer — is plain Rust here and tests without Python; the PyO3 module
+//! check, assembly and the output — is plain Rust here and tests without Python; the PyO3 module
 //! `hscapture._native` (feature `python`) is a thin layer in `py`.
+//!
+//! The folders are the architecture, read top to bottom (each imports only from those below it):
+//! - [`worker`]: one worker's capture — the step protocol feeding the output;
+//! - [`capture`]: the step protocol (contract, accounting, step buffers, device steps, scatter);
+//! - [`output`]: what a finished sample becomes (formats, the writer, atomic files, manifest, verify);
+//! - [`attribution`]: which rows of a step are whose, and which layers are captured where;
+//! - [`ranks`]: what crosses ranks (checksums, the residual's row layout, pipeline-stage messages);
+//! - [`error`], [`failure`]: the one error type and a capture's one failure flag.
 
-pub mod arena;
-pub mod assembler;
-pub mod assembly;
-pub mod atomic;
-pub mod compress;
-pub mod device;
+pub mod attribution;
+pub mod capture;
 pub mod error;
-pub mod gpu;
-pub mod layers;
-pub mod layout;
-pub mod manifest;
-pub mod plan;
-pub mod pool;
+pub mod failure;
+pub mod output;
 pub mod ranks;
-pub mod rows;
-pub mod safetensors_io;
-pub mod sample;
-pub mod scatter;
-pub mod session;
-pub mod stages;
-pub mod tensor;
-pub mod verify;
-pub mod writer;
 
 #[cfg(feature = "python")]
 mod py;

@@ -6,10 +6,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use super::errors::guard;
-use crate::layers::{default_ids, CapturePoint, Convention, LayerPlan};
-use crate::manifest::Manifest;
-use crate::safetensors_io::read_sample_file;
-use crate::sample::content_checksum;
+use crate::attribution::layers::{default_ids, CapturePoint, Convention, LayerPlan};
+use crate::output::manifest::Manifest;
+use crate::output::safetensors::read_sample_file;
+use crate::output::sample::content_checksum;
 
 /// Validates layer ids for a convention and model depth; returns them sorted ascending.
 #[pyfunction]
@@ -75,7 +75,7 @@ fn checksum(data: &[u8]) -> String {
 /// Checks a capture directory; returns `(samples, tokens, bytes, problems)`.
 #[pyfunction]
 fn verify_dir(py: Python<'_>, root: PathBuf) -> PyResult<(usize, u64, u64, Vec<String>)> {
-    let r = py.detach(|| crate::verify::verify_dir(&root))?;
+    let r = py.detach(|| crate::output::verify::verify_dir(&root))?;
     Ok((r.samples, r.tokens, r.bytes, r.problems))
 }
 
@@ -83,7 +83,7 @@ fn verify_dir(py: Python<'_>, root: PathBuf) -> PyResult<(usize, u64, u64, Vec<S
 /// `({index: (record dict, token_ids)}, skipped)`.
 #[pyfunction]
 fn scan_finished<'py>(py: Python<'py>, root: PathBuf) -> PyResult<(Bound<'py, PyDict>, Vec<String>)> {
-    let (found, skipped) = py.detach(|| crate::verify::scan_finished(&root))?;
+    let (found, skipped) = py.detach(|| crate::output::verify::scan_finished(&root))?;
     let d = PyDict::new(py);
     for (i, (r, toks)) in found {
         let rec = PyDict::new(py);
@@ -106,8 +106,8 @@ fn scan_finished<'py>(py: Python<'py>, root: PathBuf) -> PyResult<(Bound<'py, Py
 fn row_layout(rows: usize, forward_tokens: usize, step_tokens: usize, tp_size: usize, tp_rank: usize, what: &str) -> PyResult<Option<usize>> {
     guard("row_layout", || {
         Ok(match crate::layout::row_layout(rows, forward_tokens, step_tokens, tp_size, tp_rank, what)? {
-            crate::layout::RowLayout::Replicated => None,
-            crate::layout::RowLayout::Sharded { chunk } => Some(chunk),
+            crate::ranks::row_layout::RowLayout::Replicated => None,
+            crate::ranks::row_layout::RowLayout::Sharded { chunk } => Some(chunk),
         })
     })
 }

@@ -8,13 +8,13 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
 
 use super::errors::guard;
 use super::tensor::{describe, parse_dtype};
-use crate::layers::{CapturePoint, Convention, LayerPlan};
-use crate::plan::{CachedRequest, NewRequest, SampleKey, StepInput};
-use crate::ranks::verify_replicated;
-use crate::sample::Sample;
-use crate::gpu::CudaDevice;
-use crate::session::{Session, SessionConfig, StepOutcome};
-use crate::writer::{SampleRecord, Writer, WriterConfig};
+use crate::attribution::layers::{CapturePoint, Convention, LayerPlan};
+use crate::attribution::plan::{CachedRequest, NewRequest, SampleKey, StepInput};
+use crate::ranks::checksums::verify_replicated;
+use crate::output::sample::Sample;
+use crate::capture::cuda::CudaDevice;
+use crate::capture::session::{Session, SessionConfig, StepOutcome};
+use crate::output::writer::{SampleRecord, Writer, WriterConfig};
 
 type NewReqTuple = (String, Vec<i64>, usize, Option<u64>);
 type CachedReqTuple = (String, usize, bool);

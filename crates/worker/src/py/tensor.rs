@@ -4,7 +4,7 @@
 
 use pyo3::prelude::*;
 
-use crate::tensor::{Device, TensorDesc};
+use crate::capture::tensor::{Device, TensorDesc};
 use crate::{core_err, CoreResult};
 use hscapture_kernels::DType;
 

@@ -1,0 +1,50 @@
+//! The shape contract on every captured tensor (docs/contract.md, rules 14–15), and the one way a
+//! layer slot is named in errors.
+
+use crate::attribution::layers::LayerPlan;
+use crate::attribution::plan::StepPlan;
+use crate::capture::step::SessionConfig;
+use crate::capture::tensor::TensorDesc;
+use crate::{ensure, error::CoreResult};
+
+/// `layer id 16 (before convention, slot 1)`.
+pub fn slot_name(layers: &LayerPlan, slot: usize) -> String {
+    match layers.ids.get(slot) {
+        Some(id) => format!("layer id {id} ({} convention, slot {slot})", layers.convention.name()),
+        None => format!("slot {slot} (of {} layer slots)", layers.num_slots()),
+    }
+}
+
+/// Checks a layer's tensors for the planned step; returns the number of rows to read (the step's
+/// scheduled tokens: padding rows after them are never read).
+pub fn check_layer(cfg: &SessionConfig, plan: &StepPlan, name: &str, hidden: &TensorDesc, residual: Option<&TensorDesc>) -> CoreResult<usize> {
+    ensure!(
+        hidden.width() == cfg.hidden_size,
+        ShapeContract,
+        "{name}: expected hidden size {}, found a tensor of shape {:?}",
+        cfg.hidden_size,
+        hidden.shape
+    );
+    ensure!(hidden.dtype == cfg.model_dtype, ShapeContract, "{name}: expected dtype {}, found {}", cfg.model_dtype, hidden.dtype);
+    ensure!(
+        hidden.rows() >= plan.total_tokens,
+        ShapeContract,
+        "{name}: the step scheduled {} tokens but the layer produced {} rows (shape {:?}); a residual stream \
+         sharded across ranks is not replicated and must be gathered",
+        plan.total_tokens,
+        hidden.rows(),
+        hidden.shape
+    );
+    if let Some(r) = residual {
+        ensure!(
+            r.shape == hidden.shape && r.dtype == hidden.dtype,
+            ShapeContract,
+            "{name}: residual {:?} {} does not match hidden states {:?} {}",
+            r.shape,
+            r.dtype,
+            hidden.shape,
+            hidden.dtype
+        );
+    }
+    Ok(plan.total_tokens)
+}

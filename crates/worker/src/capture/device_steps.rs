@@ -1,0 +1,122 @@
+//! Device steps in flight: the session's side of a [`DeviceBackend`]. A step captured on the device
+//! ends with its copies to host memory still running; it is collected (its copies waited for, its
+//! pinned buffer handed out) later, oldest first: with overlap when the next step ends, so that vLLM
+//! prepares and launches step N+1 while step N's forward and copies still run; without it when the
+//! next step begins.
+//!
+//! Invariants: this queue and the backend's queue of buffers in flight stay paired (a step leaves
+//! both at once, whether its collection succeeds or not); a request that ends while a step holding
+//! its rows is in flight is dropped only after that step is collected (its `drops`).
+
+use std::collections::VecDeque;
+
+use crate::attribution::plan::{Event, StepPlan};
+use crate::capture::device::{DeviceBackend, PinnedStep};
+use crate::capture::tensor::TensorDesc;
+use crate::{bail, ensure, error::CoreResult};
+use hscapture_kernels::RowRun;
+
+/// An ended device step, waiting for its copies.
+pub struct InFlight {
+    pub plan: StepPlan,
+    pub events: Vec<Event>,
+    /// Requests that ended after this step: dropped once its rows are assembled.
+    pub drops: Vec<String>,
+}
+
+pub struct DeviceSteps {
+    backend: Box<dyn DeviceBackend>,
+    pending: VecDeque<InFlight>,
+    /// Steps left in flight when the next step begins (1 with overlap, else 0).
+    keep: usize,
+}
+
+impl DeviceSteps {
+    /// With `overlap`, a step begins while the previous one is in flight, which needs a ring of at
+    /// least 2 host buffers.
+    pub fn new(backend: Box<dyn DeviceBackend>, overlap: bool) -> CoreResult<DeviceSteps> {
+        ensure!(
+            !overlap || backend.ring() >= 2,
+            Config,
+            "overlapping device steps needs a ring of at least 2 host buffers (one in flight, one being filled); found {}",
+            backend.ring()
+        );
+        Ok(DeviceSteps { backend, pending: VecDeque::new(), keep: usize::from(overlap) })
+    }
+
+    /// Steps left in flight when the next one begins.
+    pub fn keep(&self) -> usize {
+        self.keep
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.pending.len()
+    }
+
+    pub fn backend(&mut self) -> &mut dyn DeviceBackend {
+        self.backend.as_mut()
+    }
+
+    /// (device bytes, pinned host bytes) held.
+    pub fn allocated(&self) -> (usize, usize) {
+        self.backend.allocated()
+    }
+
+    /// Host buffers free for the next step's copies.
+    pub fn free_host(&self) -> usize {
+        self.backend.free_host()
+    }
+
+    /// Starts a planned step of `rows` rows per slot on the device.
+    pub fn plan(&mut self, step: u64, rows: usize, runs: &[RowRun]) -> CoreResult<()> {
+        ensure!(
+            rows <= self.backend.capacity(),
+            ShapeContract,
+            "step {step}: {rows} prompt rows do not fit the device arena of {} rows (sized from max_num_batched_tokens)",
+            self.backend.capacity()
+        );
+        self.backend.reset(rows, runs)
+    }
+
+    /// Enqueues the capture of one slot.
+    ///
+    /// # Safety
+    /// As [`DeviceBackend::capture`].
+    pub unsafe fn capture(&mut self, slot: usize, hidden: &TensorDesc, residual: Option<&TensorDesc>, stream: u64) -> CoreResult<()> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.backend.capture(slot, hidden, residual, stream) }
+    }
+
+    /// Ends a captured step: it is in flight until collected.
+    pub fn end(&mut self, plan: StepPlan, events: Vec<Event>) -> CoreResult<()> {
+        self.backend.end_step()?;
+        self.pending.push_back(InFlight { plan, events, drops: Vec::new() });
+        Ok(())
+    }
+
+    /// Defers the drop of `req_id` until the newest step in flight is collected; gives it back when no
+    /// step is in flight (drop it now).
+    pub fn defer_drop(&mut self, req_id: String) -> Option<String> {
+        match self.pending.back_mut() {
+            Some(p) => {
+                p.drops.push(req_id);
+                None
+            }
+            None => Some(req_id),
+        }
+    }
+
+    /// Waits for the oldest step's copies; the step leaves the queue whatever happens.
+    pub fn collect_oldest(&mut self) -> CoreResult<(InFlight, Box<dyn PinnedStep>)> {
+        let Some(p) = self.pending.pop_front() else {
+            bail!(Compatibility, "no device step is in flight");
+        };
+        let buf = self.backend.wait()?;
+        Ok((p, buf))
+    }
+
+    /// Takes back a host buffer once its rows are no longer read.
+    pub fn recycle(&mut self, buf: Box<dyn PinnedStep>) -> CoreResult<()> {
+        self.backend.recycle(buf)
+    }
+}

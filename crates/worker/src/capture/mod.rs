@@ -1,0 +1,25 @@
+//! The step protocol on one worker ([`session::Session`], the coordinator) and the parts it owns:
+//! - [`contract`]: the checks on every captured tensor, and the names of layer slots;
+//! - [`slots`]: which slots a step holds (captured, received from another stage, absent);
+//! - [`accounting`]: a captured step's checks, checksum and completed samples (worker thread);
+//! - [`step_buffers`]: the step buffers (a ring of CPU arenas) and where rows are scattered;
+//! - [`device_steps`]: device steps in flight behind a [`device::DeviceBackend`] ([`cuda`] on CUDA);
+//! - [`scatter`] and [`assembler`]: rows copied into per-request samples, inline or on a thread;
+//! - [`stage_exchange`]: a step's rows sent to / received from another pipeline stage;
+//! - [`arena`], [`rows`], [`tensor`]: a step's rows in host memory, and tensors from the caller.
+
+pub mod accounting;
+pub mod arena;
+pub mod assembler;
+pub mod contract;
+pub mod cuda;
+pub mod device;
+pub mod device_steps;
+pub mod rows;
+pub mod scatter;
+pub mod session;
+pub mod slots;
+pub mod stage_exchange;
+pub mod step;
+pub mod step_buffers;
+pub mod tensor;

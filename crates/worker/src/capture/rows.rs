@@ -1,0 +1,25 @@
+//! A step's captured rows as the host reads them once they are in host memory (a step buffer): the
+//! CPU arena, or the pinned buffer a device copied them into. Both use the same layout: `[slot][capacity][width]` rows
+//! in the output dtype, plus a checksum and a non-finite count per row.
+
+use hscapture_kernels::combine_row;
+
+pub trait StepRows {
+    /// Bytes of row `row` of slot `slot`.
+    fn row(&self, slot: usize, row: usize) -> &[u8];
+    fn nonfinite(&self, slot: usize, row: usize) -> u32;
+    fn row_sum(&self, slot: usize, row: usize) -> u64;
+}
+
+/// The step checksum over the slots marked present (those this rank holds) of `rows` rows (see
+/// `hscapture_kernels::checksum`).
+pub fn step_checksum(rows_view: &dyn StepRows, present: &[bool], rows: usize) -> u64 {
+    let mut acc = 0u64;
+    for s in (0..present.len()).filter(|&s| present[s]) {
+        for r in 0..rows {
+            acc = acc.wrapping_add(combine_row(rows_view.row_sum(s, r), s, r));
+        }
+    }
+    acc
+}
+

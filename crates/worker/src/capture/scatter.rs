@@ -1,0 +1,265 @@
+//! The heavy half of assembly: copying a step's rows into per-request buffers (`[L, n_slots, H]`) and
+//! handing out the buffers of completed requests as samples. It needs only the step's rows in host
+//! memory and a [`ScatterJob`] that the bookkeeping half ([`crate::capture::accounting::Assembly`]) prepared, so it
+//! can run on the worker's thread (inline) or on the assembler thread ([`crate::capture::assembler`]).
+//!
+//! Invariants: a request's buffer is written only by the job of the step that scheduled its rows, in
+//! step order; a buffer leaves this struct exactly once (a sample, a discard, or a drop).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use crate::attribution::plan::{SampleKey, Segment};
+use crate::output::pool::BufferPool;
+use crate::capture::rows::StepRows;
+use crate::output::sample::Sample;
+use crate::{ensure, error::CoreResult};
+use hscapture_kernels::DType;
+
+/// A request whose prompt is complete: its buffer becomes a sample.
+#[derive(Clone, Debug)]
+pub struct Completion {
+    pub req_id: String,
+    pub sample: SampleKey,
+    pub token_ids: Vec<i64>,
+}
+
+/// What one step asks of the scatter half, in order: copy `segments`, emit `completions`, recycle the
+/// buffers of `discard` (requests skipped for non-finite values).
+#[derive(Clone, Debug, Default)]
+pub struct ScatterJob {
+    pub step: u64,
+    pub segments: Vec<Segment>,
+    pub completions: Vec<Completion>,
+    pub discard: Vec<String>,
+}
+
+impl ScatterJob {
+    pub fn is_empty(&self) -> bool {
+        self.segments.is_empty() && self.completions.is_empty() && self.discard.is_empty()
+    }
+}
+
+/// The sample geometry: slots per row, hidden width, stored dtype.
+#[derive(Clone, Copy, Debug)]
+pub struct Geometry {
+    pub slots: usize,
+    pub width: usize,
+    pub dtype: DType,
+}
+
+impl Geometry {
+    pub fn row_bytes(&self) -> usize {
+        self.width * self.dtype.size()
+    }
+}
+
+/// Copies a segment's rows of every slot into its request's buffer.
+fn scatter_segment(seg: &Segment, buf: &mut [u8], rows: &dyn StepRows, slots: usize, rb: usize) {
+    for k in 0..seg.len {
+        let pos = seg.dst_pos + k;
+        for s in 0..slots {
+            let o = (pos * slots + s) * rb;
+            buf[o..o + rb].copy_from_slice(rows.row(s, seg.arena_row + k));
+        }
+    }
+}
+
+/// Where completed samples go from the scatter threads (the writer's queue).
+pub type Emit<'a> = &'a (dyn Fn(Sample) -> CoreResult<()> + Sync);
+
+/// One segment of a step: the request's buffer, its completion if this step completes it (with its
+/// index in the job's completion order), and, once copied, what became of a completed sample.
+struct Work<'a> {
+    seg: &'a Segment,
+    buf: Vec<u8>,
+    done: Option<(usize, Completion)>,
+    out: Option<CoreResult<Option<(usize, Sample)>>>,
+}
+
+/// A completed request's buffer as a sample: handed to `emit` (None returned) or returned.
+fn finish(g: Geometry, c: Completion, data: Vec<u8>, emit: Option<Emit<'_>>) -> CoreResult<Option<Sample>> {
+    let n = c.token_ids.len();
+    ensure!(
+        data.len() == n * g.slots * g.row_bytes(),
+        ShapeContract,
+        "{}: assembled {} bytes, expected [{n}, {}, {}] {}",
+        c.sample,
+        data.len(),
+        g.slots,
+        g.width,
+        g.dtype
+    );
+    let sample = Sample { key: c.sample, req_id: c.req_id, token_ids: c.token_ids, data, rows: n, slots: g.slots, width: g.width, dtype: g.dtype };
+    match emit {
+        Some(f) => f(sample).map(|()| None),
+        None => Ok(Some(sample)),
+    }
+}
+
+/// Copies one segment and, if its request is complete, finishes the sample.
+fn work_one(w: &mut Work<'_>, rows: &dyn StepRows, g: Geometry, emit: Option<Emit<'_>>) {
+    scatter_segment(w.seg, &mut w.buf, rows, g.slots, g.row_bytes());
+    if let Some((i, c)) = w.done.take() {
+        let data = std::mem::take(&mut w.buf);
+        w.out = Some(finish(g, c, data, emit).map(|s| s.map(|s| (i, s))));
+    }
+}
+
+/// Scatters a step's segments, in parallel over requests (each segment writes only its own
+/// request's buffer) when the step is large.
+fn scatter_all(work: &mut [Work<'_>], rows: &(dyn StepRows + Sync), g: Geometry, emit: Option<Emit<'_>>) {
+    let bytes: usize = work.iter().map(|w| w.seg.len).sum::<usize>() * g.slots * g.row_bytes();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8).min(work.len());
+    if threads <= 1 || bytes < (8 << 20) {
+        work.iter_mut().for_each(|w| work_one(w, rows, g, emit));
+        return;
+    }
+    let per = work.len().div_ceil(threads);
+    std::thread::scope(|sc| {
+        for chunk in work.chunks_mut(per) {
+            sc.spawn(move || chunk.iter_mut().for_each(|w| work_one(w, rows, g, emit)));
+        }
+    });
+}
+
+/// A request in progress: its buffer and how many rows of it are written (its prompt's prefix `0..rows`).
+struct Partial {
+    data: Vec<u8>,
+    rows: usize,
+}
+
+pub struct Scatter {
+    geo: Geometry,
+    bufs: HashMap<String, Partial>,
+    pool: Arc<BufferPool>,
+    /// Bytes held by requests in progress (read by the session from any thread).
+    held: Arc<AtomicUsize>,
+}
+
+impl Scatter {
+    pub fn new(geo: Geometry, pool: Arc<BufferPool>) -> Scatter {
+        Scatter { geo, bufs: HashMap::new(), pool, held: Arc::new(AtomicUsize::new(0)) }
+    }
+
+    /// A counter of the bytes held by requests whose prompt is not complete yet.
+    pub fn held_counter(&self) -> Arc<AtomicUsize> {
+        Arc::clone(&self.held)
+    }
+
+    fn update_held(&self) {
+        self.held.store(self.bufs.values().map(|p| p.data.len()).sum(), Ordering::Relaxed);
+    }
+
+    /// Drops a request's partial sample (it ended before its prompt was complete).
+    pub fn drop_request(&mut self, req_id: &str) {
+        if let Some(p) = self.bufs.remove(req_id) {
+            self.pool.put(p.data);
+        }
+        self.update_held();
+    }
+
+    /// Rows written so far for `req_id` (0 without a held buffer).
+    fn rows_held(&self, req_id: &str) -> usize {
+        self.bufs.get(req_id).map_or(0, |p| p.rows)
+    }
+
+    /// Checks that the job keeps every request's rows a prefix of its prompt and completes only whole
+    /// prompts. Attribution guarantees both (plan.rs); they are checked again here, before anything is
+    /// copied, because recycled buffers are not zeroed: a request whose earlier rows were lost (a failed
+    /// step, a panic on this thread) would otherwise be written with another sample's bytes in the gap.
+    fn check_prefixes(&self, job: &ScatterJob) -> CoreResult<()> {
+        let mut after: HashMap<&str, usize> = HashMap::new();
+        for seg in &job.segments {
+            let have = after.get(seg.req_id.as_str()).copied().unwrap_or_else(|| self.rows_held(&seg.req_id));
+            ensure!(
+                seg.dst_pos <= have && seg.dst_pos + seg.len <= seg.prompt_len,
+                Attribution,
+                "{}: prompt rows {}..{} of {} arrived with {have} rows before them; the request's rows would have a \
+                 gap (an earlier step's rows were lost)",
+                seg.sample,
+                seg.dst_pos,
+                seg.dst_pos + seg.len,
+                seg.prompt_len
+            );
+            after.insert(&seg.req_id, seg.dst_pos + seg.len);
+        }
+        for c in &job.completions {
+            let have = after.get(c.req_id.as_str()).copied().unwrap_or_else(|| self.rows_held(&c.req_id));
+            ensure!(
+                have == c.token_ids.len(),
+                Attribution,
+                "{}: completed with {have} of its {} prompt rows copied; an earlier step's rows were lost",
+                c.sample,
+                c.token_ids.len()
+            );
+        }
+        Ok(())
+    }
+
+    /// Runs one step's job against that step's rows. A request completed by this step becomes a
+    /// sample as soon as its rows are copied, on whichever scatter thread copied them: handed to
+    /// `emit` there (the writer, which so starts while the rest of the step is still copied), or,
+    /// without `emit`, returned in the job's completion order.
+    pub fn run(&mut self, job: ScatterJob, rows: &(dyn StepRows + Sync), emit: Option<Emit<'_>>) -> CoreResult<Vec<Sample>> {
+        let g = self.geo;
+        self.check_prefixes(&job)?;
+        let mut completing: HashMap<String, (usize, Completion)> =
+            job.completions.into_iter().enumerate().map(|(i, c)| (c.req_id.clone(), (i, c))).collect();
+        let mut work: Vec<Work<'_>> = job
+            .segments
+            .iter()
+            .map(|seg| {
+                let buf = match self.bufs.remove(&seg.req_id) {
+                    Some(p) => p.data,
+                    None => self.pool.get(seg.prompt_len * g.slots * g.row_bytes()),
+                };
+                Work { seg, buf, done: completing.remove(&seg.req_id), out: None }
+            })
+            .collect();
+        scatter_all(&mut work, rows, g, emit);
+        let mut kept = Vec::new();
+        let mut first_err = None;
+        for w in work {
+            match w.out {
+                Some(Ok(Some(sample))) => kept.push(sample),
+                Some(Ok(None)) => {}
+                Some(Err(e)) => {
+                    first_err.get_or_insert(e);
+                }
+                None => {
+                    self.bufs.insert(w.seg.req_id.clone(), Partial { data: w.buf, rows: w.seg.dst_pos + w.seg.len });
+                }
+            }
+        }
+        // A request completed without rows in this step (none in practice: its last rows complete it).
+        let mut rest: Vec<(usize, Completion)> = completing.into_values().collect();
+        rest.sort_by_key(|(i, _)| *i);
+        for (i, c) in rest {
+            let data = self.bufs.remove(&c.req_id).map(|p| p.data).unwrap_or_default();
+            match finish(g, c, data, emit) {
+                Ok(Some(sample)) => kept.push((i, sample)),
+                Ok(None) => {}
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        for r in &job.discard {
+            if let Some(p) = self.bufs.remove(r) {
+                self.pool.put(p.data);
+            }
+        }
+        self.update_held();
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        kept.sort_by_key(|(i, _)| *i);
+        Ok(kept.into_iter().map(|(_, s)| s).collect())
+    }
+}
+
+#[cfg(test)]
+#[path = "tests/scatter.rs"]
+mod tests;

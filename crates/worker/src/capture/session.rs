@@ -1,0 +1,415 @@
+//! A capture session on one worker: the step protocol, coordinating the parts it owns — attribution
+//! ([`Tracker`]), the slots a step holds ([`SlotMask`]), the step buffers ([`StepBuffers`]), device
+//! steps in flight ([`DeviceSteps`]) and accounting ([`Accounting`]).
+//!
+//! Per step: [`Session::begin_step`] with the scheduler output; [`Session::plan`] with the order the
+//! runner used (at the first hook of the forward); [`Session::capture`] once per layer slot;
+//! [`Session::end_step`]. Host captures are accounted at `end_step`; device captures later, in step
+//! order (see `device_steps.rs`). [`Session::flush`] accounts every step in flight. Each call that
+//! accounts returns the [`StepOutcome`]s of the steps it accounted, oldest first: the step checksum
+//! for the cross-rank check and, inline, the completed samples. The calls that account, and how many
+//! steps each does, depend only on the sequence of steps and the configuration, so every rank of a
+//! group accounts the same steps at the same calls.
+
+use std::sync::Arc;
+
+use crate::attribution::plan::{Event, StepInput, StepPlan, Tracker};
+use crate::capture::accounting::Accounting;
+use crate::capture::contract::{check_layer, slot_name};
+use crate::capture::device::{DeviceBackend, PinnedStep};
+use crate::capture::device_steps::DeviceSteps;
+use crate::capture::scatter::{Geometry, ScatterJob};
+use crate::capture::slots::SlotMask;
+use crate::capture::stage_exchange;
+pub use crate::capture::step::{Aborted, SessionConfig, SessionStats, StepOutcome};
+use crate::capture::step_buffers::StepBuffers;
+use crate::capture::tensor::{Device, TensorDesc};
+use crate::failure::Failure;
+use crate::output::pool::BufferPool;
+use crate::output::sample::Sample;
+use crate::output::writer::Submitter;
+use crate::{bail, ensure, error::CoreResult};
+use hscapture_kernels::capture_rows;
+
+/// What failed, in the capture's [`Failure`], when a device step cannot be collected.
+const DEVICE_STEP: &str = "an earlier device step could not be collected";
+
+pub struct Session {
+    cfg: SessionConfig,
+    tracker: Tracker,
+    slots: SlotMask,
+    accounting: Accounting,
+    /// Before `device`: dropped (its thread joined) first, since it may read the device's buffers.
+    buffers: StepBuffers,
+    device: Option<DeviceSteps>,
+    /// Whether the step in progress was captured on the device.
+    on_device: bool,
+    failure: Failure,
+    pool: Arc<BufferPool>,
+    aborted: Vec<Aborted>,
+}
+
+impl Session {
+    pub fn new(cfg: SessionConfig) -> CoreResult<Session> {
+        Session::with_failure(cfg, Failure::new())
+    }
+
+    /// A session whose parts report into `failure` (shared with the writer of the same capture).
+    pub fn with_failure(cfg: SessionConfig, failure: Failure) -> CoreResult<Session> {
+        ensure!(cfg.hidden_size > 0, Config, "hidden size must be positive, found 0");
+        let pool = Arc::new(BufferPool::new(256));
+        let geo = Geometry { slots: cfg.layers.num_slots(), width: cfg.hidden_size, dtype: cfg.out_dtype };
+        Ok(Session {
+            slots: SlotMask::new(geo.slots),
+            buffers: StepBuffers::new(geo, Arc::clone(&pool), failure.clone()),
+            cfg,
+            tracker: Tracker::new(),
+            accounting: Accounting::default(),
+            device: None,
+            on_device: false,
+            failure,
+            pool,
+            aborted: Vec::new(),
+        })
+    }
+
+    fn fresh(&self) -> bool {
+        self.accounting.stats.steps == 0 && !self.tracker.in_step() && self.device.as_ref().is_none_or(|d| d.in_flight() == 0)
+    }
+
+    /// Opt-in: skip (and report) samples with NaN/Inf values instead of failing the step.
+    pub fn set_skip_nonfinite(&mut self, skip: bool) {
+        self.accounting.skip_nonfinite = skip;
+    }
+
+    /// Samples skipped for non-finite values since the last call: (sample, request id, why).
+    pub fn take_skipped(&mut self) -> Vec<(crate::attribution::plan::SampleKey, String, String)> {
+        std::mem::take(&mut self.accounting.skipped)
+    }
+
+    /// Captures device tensors through `device` from now on (once, before the first step); with
+    /// `overlap`, a step begins while the previous device step is still in flight.
+    pub fn set_device(&mut self, device: Box<dyn DeviceBackend>, overlap: bool) -> CoreResult<()> {
+        ensure!(self.device.is_none() && self.fresh(), Config, "the device path is enabled once, before the first step");
+        self.device = Some(DeviceSteps::new(device, overlap)?);
+        Ok(())
+    }
+
+    /// Moves the scatter of rows onto the assembler thread, with a ring of `ring` (≥ 2) CPU arenas
+    /// (the device path has its own ring). Only before the first step.
+    pub fn set_background(&mut self, ring: usize) -> CoreResult<()> {
+        ensure!(self.fresh(), Config, "background assembly is chosen before the first step");
+        self.buffers.set_background(ring)
+    }
+
+    /// Where the assembler thread hands completed samples: the writer, or `take_ready` (None).
+    pub fn set_sink(&mut self, w: Option<Submitter>) -> CoreResult<()> {
+        self.buffers.set_sink(w)
+    }
+
+    pub fn background(&self) -> bool {
+        self.buffers.background()
+    }
+
+    pub fn has_device(&self) -> bool {
+        self.device.is_some()
+    }
+
+    pub fn config(&self) -> &SessionConfig {
+        &self.cfg
+    }
+
+    pub fn stats(&self) -> &SessionStats {
+        &self.accounting.stats
+    }
+
+    /// The capture's failure flag (shared with its writer).
+    pub fn failure(&self) -> &Failure {
+        &self.failure
+    }
+
+    /// The pool sample buffers come from; the writer returns them there.
+    pub fn pool(&self) -> Arc<BufferPool> {
+        Arc::clone(&self.pool)
+    }
+
+    pub fn tracker(&self) -> &Tracker {
+        &self.tracker
+    }
+
+    /// Host bytes held: step arenas, partly captured requests (and, in the background, completed
+    /// samples not yet handed over), the device path's pinned buffers.
+    pub fn held_bytes(&self) -> usize {
+        self.buffers.arena_bytes() + self.request_bytes() + self.device.as_ref().map_or(0, |d| d.allocated().1)
+    }
+
+    /// Device bytes held by the device path's arena.
+    pub fn device_bytes(&self) -> usize {
+        self.device.as_ref().map_or(0, |d| d.allocated().0)
+    }
+
+    /// Host bytes held by requests whose prompt is not complete.
+    pub fn request_bytes(&self) -> usize {
+        self.buffers.request_bytes()
+    }
+
+    /// Registers a step's scheduler output. Device steps in flight beyond the one overlap leaves are
+    /// accounted first; their outcomes are returned, oldest first.
+    pub fn begin_step(&mut self, input: StepInput) -> CoreResult<Vec<StepOutcome>> {
+        let keep = self.device.as_ref().map_or(0, DeviceSteps::keep);
+        let prev = self.collect_device_steps(keep)?;
+        self.buffers.reclaim(false, self.device.as_mut())?;
+        for e in self.tracker.begin_step(input)? {
+            if let Event::Aborted { req_id, sample, captured, prompt_len } = e {
+                self.accounting.stats.aborted += 1;
+                self.aborted.push(Aborted { req_id: req_id.clone(), sample, captured, prompt_len });
+                let now = match self.device.as_mut() {
+                    Some(d) => d.defer_drop(req_id),
+                    None => Some(req_id),
+                };
+                if let Some(r) = now {
+                    self.drop_request(&r)?;
+                }
+            }
+        }
+        self.slots.new_step();
+        self.on_device = false;
+        Ok(prev)
+    }
+
+    fn drop_request(&mut self, req_id: &str) -> CoreResult<()> {
+        self.accounting.drop_request(req_id);
+        self.buffers.drop_request(req_id)
+    }
+
+    /// Accounts for every device step still in flight (waiting for their copies), oldest first.
+    pub fn flush(&mut self) -> CoreResult<Vec<StepOutcome>> {
+        self.collect_device_steps(0)
+    }
+
+    /// Device steps in flight (ended, not yet accounted).
+    pub fn steps_in_flight(&self) -> usize {
+        self.device.as_ref().map_or(0, DeviceSteps::in_flight)
+    }
+
+    fn collect_device_steps(&mut self, keep: usize) -> CoreResult<Vec<StepOutcome>> {
+        self.failure.check()?;
+        let mut outs = Vec::new();
+        while self.steps_in_flight() > keep {
+            match self.collect_device_step() {
+                Ok(o) => outs.push(o),
+                Err(e) => return Err(self.failure.report(DEVICE_STEP, e)),
+            }
+        }
+        Ok(outs)
+    }
+
+    fn collect_device_step(&mut self) -> CoreResult<StepOutcome> {
+        let Some(dev) = self.device.as_mut() else {
+            bail!(Compatibility, "a device step is pending but the device path is gone");
+        };
+        let (p, buf) = dev.collect_oldest()?;
+        let present = self.slots.present();
+        let (mut out, job) = match self.accounting.account(&self.cfg, &p.plan, p.events, buf.as_rows(), &present, &present) {
+            Ok(x) => x,
+            Err(e) => {
+                dev.recycle(buf)?;
+                return Err(e);
+            }
+        };
+        out.completed = self.scatter(job, Some(buf))?;
+        for r in &p.drops {
+            self.drop_request(r)?;
+        }
+        out.aborted = std::mem::take(&mut self.aborted);
+        Ok(out)
+    }
+
+    fn scatter(&mut self, job: ScatterJob, pinned: Option<Box<dyn PinnedStep>>) -> CoreResult<Vec<Sample>> {
+        self.buffers.scatter(job, pinned, self.device.as_mut())
+    }
+
+    /// Samples the assembler thread completed since the last call; with `fence`, after waiting for
+    /// every step handed to it so far. Reports the capture's first failure.
+    pub fn take_ready(&mut self, fence: bool) -> CoreResult<Vec<Sample>> {
+        self.buffers.take_ready(fence, self.device.as_mut())
+    }
+
+    pub fn in_step(&self) -> bool {
+        self.tracker.in_step()
+    }
+
+    pub fn planned(&self) -> bool {
+        self.tracker.current_plan().is_some()
+    }
+
+    /// Prompt rows per request of the planned step, in the runner's order (empty before `plan`).
+    pub fn step_rows(&self) -> Vec<(String, usize)> {
+        self.tracker.current_plan().map(|p| p.segments.iter().map(|s| (s.req_id.clone(), s.len)).collect()).unwrap_or_default()
+    }
+
+    /// Fixes the step's row layout from the runner's request order.
+    pub fn plan(&mut self, order: &[String]) -> CoreResult<&StepPlan> {
+        let plan = self.tracker.plan(order)?;
+        let (step, rows, runs) = (plan.step, plan.arena_rows, plan.runs());
+        self.buffers.arena_mut().reset(rows);
+        if let Some(dev) = self.device.as_mut() {
+            // Every free pinned buffer is with the assembler thread: wait for one (none free and none
+            // out is the device's error to report, in `plan`).
+            while self.buffers.pinned_out() > 0 && dev.free_host() == 0 {
+                self.buffers.reclaim(true, Some(dev))?;
+            }
+            dev.plan(step, rows, &runs)?;
+        }
+        match self.tracker.current_plan() {
+            Some(p) => Ok(p),
+            None => bail!(Attribution, "the step plan was lost"),
+        }
+    }
+
+    pub(crate) fn slot_name(&self, slot: usize) -> String {
+        slot_name(&self.cfg.layers, slot)
+    }
+
+    /// Captures slot `slot` from `hidden` (+ `residual`) for the planned rows: host tensors into the
+    /// arena now, device tensors through the device path on `stream` (a raw CUDA stream handle).
+    ///
+    /// # Safety
+    /// Both descriptors must describe live memory of the described extent that nobody writes while
+    /// this call runs (host) or until the work enqueued on `stream` has run (device).
+    pub unsafe fn capture(&mut self, slot: usize, hidden: &TensorDesc, residual: Option<&TensorDesc>, stream: u64) -> CoreResult<()> {
+        let name = self.slot_name(slot);
+        let Some(plan) = self.tracker.current_plan() else {
+            bail!(Attribution, "{name}: captured outside a planned step (a forward outside `execute_model`?)");
+        };
+        let rows = check_layer(&self.cfg, plan, &name, hidden, residual)?;
+        let runs = plan.runs();
+        if let Device::Cuda(_) = hidden.device {
+            let Some(dev) = self.device.as_mut() else {
+                bail!(
+                    Compatibility,
+                    "{name}: the tensor is on {} but the device path is not enabled here; the Python worker falls \
+                     back to host copies when it cannot enable it",
+                    hidden.device
+                );
+            };
+            // SAFETY: forwarded from this function's contract.
+            unsafe { dev.capture(slot, hidden, residual, stream)? };
+            self.on_device = true;
+            return self.slots.fill(slot, &name);
+        }
+        // SAFETY: forwarded from this function's contract.
+        let h = unsafe { hidden.cpu_rows(&name, rows)? };
+        let r = match residual {
+            // SAFETY: as above.
+            Some(r) => Some(unsafe { r.cpu_rows(&name, rows)? }),
+            None => None,
+        };
+        self.slots.fill(slot, &name)?;
+        let mut target = self.buffers.arena_mut().target(slot, &name)?;
+        capture_rows(&h, r.as_ref(), &runs, &mut target).map_err(|e| crate::core_err!(ShapeContract, "{name}: {e}"))
+    }
+
+    /// Ends the step: checks that every slot was captured and commits attribution. Host captures are
+    /// accounted now (after any device step still in flight) and the outcomes returned; device
+    /// captures later. On error the step is abandoned.
+    pub fn end_step(&mut self) -> CoreResult<Vec<StepOutcome>> {
+        let r = self.end_step_inner();
+        if r.is_err() {
+            self.tracker.abandon();
+        }
+        r
+    }
+
+    fn end_step_inner(&mut self) -> CoreResult<Vec<StepOutcome>> {
+        let step = self.tracker.step();
+        let plan = self.tracker.current_plan().cloned();
+        if plan.is_some() {
+            let missing = self.slots.missing();
+            ensure!(
+                missing.is_empty(),
+                ShapeContract,
+                "step {step}: the forward ran but {} never reached its hook; expected all {} layer slots, found {} \
+                 (is the model's forward skipping hooked layers?)",
+                missing.iter().map(|&s| self.slot_name(s)).collect::<Vec<_>>().join(", "),
+                self.slots.expected(),
+                self.slots.expected() - missing.len()
+            );
+        }
+        let events = self.tracker.commit()?;
+        let plan = plan.unwrap_or(StepPlan { step, ..Default::default() });
+        if self.on_device {
+            let Some(dev) = self.device.as_mut() else {
+                bail!(Compatibility, "step {step} was captured on the device but the device path is gone");
+            };
+            dev.end(plan, events)?;
+            // Overlap: the step before is accounted now, while this one is queued on the device behind
+            // it (so that at the end of a run only the last step is left to assemble).
+            let keep = dev.keep();
+            return if keep == 0 { Ok(Vec::new()) } else { self.collect_device_steps(keep) };
+        }
+        // A step without device captures (none ran: no forward, or no hooked layer) keeps step order.
+        let mut outs = self.collect_device_steps(0)?;
+        let (present, own) = (self.slots.present(), self.slots.own());
+        let (mut out, job) = self.accounting.account(&self.cfg, &plan, events, self.buffers.arena(), &present, &own)?;
+        out.completed = self.scatter(job, None)?;
+        out.aborted = std::mem::take(&mut self.aborted);
+        outs.push(out);
+        Ok(outs)
+    }
+
+    /// Drops the step in progress after a failed forward.
+    pub fn abandon_step(&mut self) {
+        self.tracker.abandon();
+    }
+
+    /// Declares the slots this rank will neither capture nor receive (pipeline parallelism: the layers
+    /// of other stages, on a rank that does not assemble).
+    pub fn set_absent_slots(&mut self, slots: &[usize]) -> CoreResult<()> {
+        ensure!(
+            slots.is_empty() || !self.cfg.assemble,
+            Config,
+            "the assembling rank must hold every slot; slots {slots:?} would be missing from its samples"
+        );
+        self.slots.set_absent(slots)
+    }
+
+    /// This step's rows of `slots` (captured here) as one message for the assembling stage.
+    pub fn export_slots(&self, slots: &[usize]) -> CoreResult<Vec<u8>> {
+        let step = self.tracker.step();
+        ensure!(!self.on_device, Compatibility, "step {step}: pipeline stages exchange host rows; this step was captured on the device");
+        stage_exchange::export(step, self.tracker.current_plan(), &self.slots, self.buffers.arena(), slots, |s| self.slot_name(s))
+    }
+
+    /// Writes another stage's message into this step's arena; returns the slots it filled.
+    pub fn import_slots(&mut self, bytes: &[u8], from: &str) -> CoreResult<Vec<usize>> {
+        let step = self.tracker.step();
+        let layers = &self.cfg.layers;
+        let arena = self.buffers.arena_mut();
+        stage_exchange::import(step, self.tracker.current_plan(), &mut self.slots, arena, bytes, from, |s| slot_name(layers, s))
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // The assembler thread may be reading the device's pinned buffers: stop it first.
+        self.buffers.stop();
+        self.device = None;
+    }
+}
+
+#[cfg(test)]
+#[path = "tests/session.rs"]
+mod tests;
+
+#[cfg(test)]
+#[path = "tests/fuzz.rs"]
+mod fuzz;
+
+#[cfg(test)]
+#[path = "tests/stage_exchange.rs"]
+mod stages_tests;
+
+#[cfg(test)]
+#[path = "tests/overlap.rs"]
+mod overlap_tests;

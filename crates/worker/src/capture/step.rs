@@ -1,0 +1,50 @@
+//! What the step protocol is configured with and what it reports per step.
+
+use crate::attribution::layers::LayerPlan;
+use crate::attribution::plan::SampleKey;
+use crate::output::sample::Sample;
+use hscapture_kernels::DType;
+
+/// What a session captures and how.
+#[derive(Clone, Debug)]
+pub struct SessionConfig {
+    pub layers: LayerPlan,
+    pub hidden_size: usize,
+    /// dtype of the model's activations (what hooks see).
+    pub model_dtype: DType,
+    /// dtype of the stored states.
+    pub out_dtype: DType,
+    /// Assemble samples (the writing rank) or only check and checksum (the other ranks).
+    pub assemble: bool,
+}
+
+/// A request that ended before its prompt was complete.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Aborted {
+    pub req_id: String,
+    pub sample: SampleKey,
+    pub captured: usize,
+    pub prompt_len: usize,
+}
+
+/// The result of accounting one step.
+#[derive(Debug, Default)]
+pub struct StepOutcome {
+    pub step: u64,
+    pub checksum: u64,
+    pub rows: usize,
+    /// Samples completed by this step (inline assembly; the assembler thread hands its own out).
+    pub completed: Vec<Sample>,
+    pub aborted: Vec<Aborted>,
+}
+
+/// Running totals.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SessionStats {
+    pub steps: u64,
+    pub rows: u64,
+    pub samples: u64,
+    pub aborted: u64,
+    /// Samples skipped for non-finite values (opt-in).
+    pub skipped: u64,
+}

@@ -1,0 +1,244 @@
+//! The step buffers and where their rows are scattered. The current step's rows go to a CPU
+//! [`Arena`] (host captures) or to a device's pinned buffer (device captures). Scattering runs inline
+//! (on the worker's thread, before the next step) or on the assembler thread, which gets each step's
+//! buffer by ownership with its job and gives it back once its rows are copied: CPU arenas round a
+//! ring of `ring` buffers, and a device's pinned buffers go back to the device's free list.
+//!
+//! Invariants: a buffer is with exactly one side at a time (no buffer is read and written at once);
+//! the worker waits for one to come back only when every buffer of its ring is out (backpressure), so
+//! host memory stays at the ring.
+
+use std::sync::Arc;
+
+use crate::capture::arena::Arena;
+use crate::capture::assembler::{Assembler, StepBuffer};
+use crate::capture::device::PinnedStep;
+use crate::capture::device_steps::DeviceSteps;
+use crate::capture::scatter::{Geometry, Scatter, ScatterJob};
+use crate::failure::Failure;
+use crate::output::pool::BufferPool;
+use crate::output::sample::Sample;
+use crate::output::writer::Submitter;
+use crate::{bail, ensure, error::CoreResult};
+
+enum Scattering {
+    Inline(Scatter),
+    Background(Assembler),
+}
+
+pub struct StepBuffers {
+    geo: Geometry,
+    pool: Arc<BufferPool>,
+    failure: Failure,
+    /// The current step's CPU arena.
+    arena: Arena,
+    /// CPU arenas of the ring not in use, how many exist, and how many may.
+    spare: Vec<Arena>,
+    arenas: usize,
+    ring: usize,
+    scattering: Scattering,
+    /// Device pinned buffers with the assembler thread.
+    pinned_out: usize,
+}
+
+impl StepBuffers {
+    pub fn new(geo: Geometry, pool: Arc<BufferPool>, failure: Failure) -> StepBuffers {
+        let scattering = Scattering::Inline(Scatter::new(geo, Arc::clone(&pool)));
+        StepBuffers {
+            geo,
+            pool,
+            failure,
+            arena: Arena::new(geo.slots, geo.width, geo.dtype),
+            spare: Vec::new(),
+            arenas: 1,
+            ring: 1,
+            scattering,
+            pinned_out: 0,
+        }
+    }
+
+    /// Moves the scatter onto the assembler thread, with a ring of `ring` (≥ 2) CPU arenas.
+    pub fn set_background(&mut self, ring: usize) -> CoreResult<()> {
+        ensure!(ring >= 2, Config, "background assembly needs a ring of at least 2 step buffers, found {ring}");
+        if let Scattering::Inline(_) = self.scattering {
+            let scatter = Scatter::new(self.geo, Arc::clone(&self.pool));
+            self.scattering = Scattering::Background(Assembler::start(scatter, self.failure.clone())?);
+        }
+        self.ring = ring;
+        Ok(())
+    }
+
+    pub fn background(&self) -> bool {
+        matches!(self.scattering, Scattering::Background(_))
+    }
+
+    /// Background assembly: completed samples go from the assembler thread straight to the writer
+    /// (`Some`), or wait for [`StepBuffers::take_ready`] (`None`: also what lets a writer finish).
+    pub fn set_sink(&mut self, w: Option<Submitter>) -> CoreResult<()> {
+        match &self.scattering {
+            Scattering::Background(a) => a.set_sink(w),
+            Scattering::Inline(_) => Ok(()),
+        }
+    }
+
+    pub fn arena(&self) -> &Arena {
+        &self.arena
+    }
+
+    pub fn arena_mut(&mut self) -> &mut Arena {
+        &mut self.arena
+    }
+
+    /// Device pinned buffers with the assembler thread.
+    pub fn pinned_out(&self) -> usize {
+        self.pinned_out
+    }
+
+    /// Forgets a request's partial sample (after every step already handed over).
+    pub fn drop_request(&mut self, req_id: &str) -> CoreResult<()> {
+        match &mut self.scattering {
+            Scattering::Inline(sc) => {
+                sc.drop_request(req_id);
+                Ok(())
+            }
+            Scattering::Background(a) => a.drop_request(req_id),
+        }
+    }
+
+    /// Copies a step's rows and completes its samples: now (inline, returned) or on the assembler
+    /// thread (the buffer goes with the job; nothing returned). `pinned` None means the current arena.
+    pub fn scatter(&mut self, job: ScatterJob, pinned: Option<Box<dyn PinnedStep>>, device: Option<&mut DeviceSteps>) -> CoreResult<Vec<Sample>> {
+        let give_back = |b: Box<dyn PinnedStep>, device: Option<&mut DeviceSteps>| match device {
+            Some(d) => d.recycle(b),
+            None => bail!(Compatibility, "a device step buffer has no device path to go back to"),
+        };
+        match &mut self.scattering {
+            Scattering::Inline(sc) => {
+                let r = match &pinned {
+                    Some(b) => sc.run(job, b.as_rows(), None),
+                    None => sc.run(job, &self.arena, None),
+                };
+                if let Some(b) = pinned {
+                    give_back(b, device)?;
+                }
+                r
+            }
+            Scattering::Background(_) if job.is_empty() => {
+                if let Some(b) = pinned {
+                    give_back(b, device)?;
+                }
+                Ok(Vec::new())
+            }
+            Scattering::Background(_) => {
+                let buf = match pinned {
+                    Some(b) => {
+                        self.pinned_out += 1;
+                        StepBuffer::Pinned(b)
+                    }
+                    None => {
+                        let fresh = self.next_arena(device)?;
+                        StepBuffer::Arena(std::mem::replace(&mut self.arena, fresh))
+                    }
+                };
+                match &self.scattering {
+                    Scattering::Background(a) => a.submit(job, buf)?,
+                    Scattering::Inline(_) => bail!(Output, "the assembler thread is gone"),
+                }
+                Ok(Vec::new())
+            }
+        }
+    }
+
+    /// Takes back step buffers the assembler thread is done with (waits for one when `block`).
+    pub fn reclaim(&mut self, block: bool, mut device: Option<&mut DeviceSteps>) -> CoreResult<()> {
+        let Scattering::Background(a) = &self.scattering else {
+            return Ok(());
+        };
+        let mut first = block;
+        loop {
+            let Some(b) = a.returned(first) else {
+                if first {
+                    a.check()?;
+                    bail!(Output, "the assembler thread stopped while the worker waited for a step buffer");
+                }
+                return Ok(());
+            };
+            first = false;
+            match b {
+                StepBuffer::Arena(x) => self.spare.push(x),
+                StepBuffer::Pinned(p) => match device.as_deref_mut() {
+                    Some(d) => {
+                        self.pinned_out = self.pinned_out.saturating_sub(1);
+                        d.recycle(p)?
+                    }
+                    None => bail!(Compatibility, "a device step buffer came back but the device path is gone"),
+                },
+            }
+        }
+    }
+
+    /// An arena for the next step, once the filled one goes to the assembler thread: a spare one, a
+    /// new one while the ring is not full, else the first the thread gives back.
+    fn next_arena(&mut self, mut device: Option<&mut DeviceSteps>) -> CoreResult<Arena> {
+        loop {
+            if let Some(a) = self.spare.pop() {
+                return Ok(a);
+            }
+            if self.arenas < self.ring {
+                self.arenas += 1;
+                return Ok(Arena::new(self.geo.slots, self.geo.width, self.geo.dtype));
+            }
+            self.reclaim(true, device.as_deref_mut())?;
+        }
+    }
+
+    /// Samples the assembler thread completed since the last call (none inline: those are in each
+    /// step's outcome); with `fence`, after waiting for every step handed to it so far.
+    pub fn take_ready(&mut self, fence: bool, device: Option<&mut DeviceSteps>) -> CoreResult<Vec<Sample>> {
+        let out = match &self.scattering {
+            Scattering::Inline(_) => return Ok(Vec::new()),
+            Scattering::Background(a) => {
+                if fence {
+                    a.fence()?;
+                }
+                a.take_ready()?
+            }
+        };
+        self.reclaim(false, device)?;
+        Ok(out)
+    }
+
+    /// Host bytes held by requests whose prompt is not complete (and, in the background, completed
+    /// samples not yet collected).
+    pub fn request_bytes(&self) -> usize {
+        match &self.scattering {
+            Scattering::Inline(sc) => sc.held_counter().load(std::sync::atomic::Ordering::Relaxed),
+            Scattering::Background(a) => a.held_bytes(),
+        }
+    }
+
+    /// Host bytes held by the CPU arenas.
+    pub fn arena_bytes(&self) -> usize {
+        self.arena.allocated_bytes() + self.spare.iter().map(Arena::allocated_bytes).sum::<usize>()
+    }
+
+    /// CPU arenas made so far (at most the ring).
+    pub fn arenas(&self) -> usize {
+        self.arenas
+    }
+
+    /// Tests only: holds the assembler thread (after the messages already queued) until the returned
+    /// sender is used or dropped; None inline.
+    #[cfg(test)]
+    pub(crate) fn hold(&self) -> Option<crossbeam_channel::Sender<()>> {
+        match &self.scattering {
+            Scattering::Background(a) => Some(a.hold()),
+            Scattering::Inline(_) => None,
+        }
+    }
+
+    /// Stops the assembler thread (it may be reading a device's pinned buffers: before the device goes).
+    pub fn stop(&mut self) {
+        self.scattering = Scattering::Inline(Scatter::new(self.geo, Arc::clone(&self.pool)));
+    }
+}

@@ -1,0 +1,87 @@
+//! `OUT/manifest.json`: what a directory of captured states holds and how to check it.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::output::atomic::write_atomic;
+use crate::output::writer::SampleRecord;
+use crate::{core_err, ensure, error::CoreResult};
+
+pub const FORMAT: &str = "hscapture/1";
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub model: String,
+    /// Ascending; `hidden_states[:, k, :]` is layer `layer_ids[k]`.
+    pub layer_ids: Vec<usize>,
+    /// `after` or `before` (see docs/contract.md).
+    pub convention: String,
+    /// torch name of the stored dtype.
+    pub dtype: String,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    #[serde(default)]
+    pub tensor_parallel_size: usize,
+    #[serde(default)]
+    pub created_by: BTreeMap<String, String>,
+    pub samples: Vec<SampleRecord>,
+    /// Samples not written because they held NaN/Inf values (`on_nonfinite: skip`), with what was found.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<Skipped>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Skipped {
+    pub index: u64,
+    pub why: String,
+}
+
+impl Manifest {
+    /// Parses and checks a manifest: known format, sorted unique layer ids, unique sample files.
+    pub fn from_json(text: &str) -> CoreResult<Manifest> {
+        let m: Manifest = serde_json::from_str(text)
+            .map_err(|e| core_err!(Output, "the manifest is not valid: {e}; it may be corrupted — re-run the extraction to rebuild it"))?;
+        m.check()?;
+        Ok(m)
+    }
+
+    pub fn check(&self) -> CoreResult<()> {
+        ensure!(self.format == FORMAT, Output, "manifest format {:?} is not {FORMAT:?}", self.format);
+        ensure!(
+            self.layer_ids.windows(2).all(|w| w[0] < w[1]) && !self.layer_ids.is_empty(),
+            Output,
+            "manifest layer ids {:?} must be non-empty and strictly ascending",
+            self.layer_ids
+        );
+        let mut files: Vec<&str> = self.samples.iter().map(|s| s.file.as_str()).collect();
+        files.sort_unstable();
+        if let Some(w) = files.windows(2).find(|w| w[0] == w[1]) {
+            return Err(core_err!(Output, "manifest lists {} twice", w[0]));
+        }
+        if let Some(x) = self.skipped.iter().find(|x| self.samples.iter().any(|s| s.index == Some(x.index))) {
+            return Err(core_err!(Output, "manifest lists sample {} both as written and as skipped", x.index));
+        }
+        Ok(())
+    }
+
+    /// Sorts samples (indexed ones by index, then the others by request id) and writes the manifest
+    /// atomically and durably.
+    pub fn write(&mut self, path: &Path) -> CoreResult<()> {
+        self.check()?;
+        self.samples.sort_by(|a, b| (a.index.is_none(), a.index, &a.request_id).cmp(&(b.index.is_none(), b.index, &b.request_id)));
+        let text = serde_json::to_vec_pretty(self).map_err(|e| core_err!(Output, "cannot encode the manifest: {e}"))?;
+        write_atomic(path, true, |w| std::io::Write::write_all(w, &text)).map(|_| ())
+    }
+
+    pub fn read(path: &Path) -> CoreResult<Manifest> {
+        let text = std::fs::read_to_string(path).map_err(|e| core_err!(Output, "cannot read the manifest {}: {e}", path.display()))?;
+        Manifest::from_json(&text)
+    }
+}
+
+#[cfg(test)]
+#[path = "tests/manifest.rs"]
+mod tests;

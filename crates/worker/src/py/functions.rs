@@ -105,7 +105,7 @@ fn scan_finished<'py>(py: Python<'py>, root: PathBuf) -> PyResult<(Bound<'py, Py
 #[pyfunction]
 fn row_layout(rows: usize, forward_tokens: usize, step_tokens: usize, tp_size: usize, tp_rank: usize, what: &str) -> PyResult<Option<usize>> {
     guard("row_layout", || {
-        Ok(match crate::layout::row_layout(rows, forward_tokens, step_tokens, tp_size, tp_rank, what)? {
+        Ok(match crate::ranks::row_layout::row_layout(rows, forward_tokens, step_tokens, tp_size, tp_rank, what)? {
             crate::ranks::row_layout::RowLayout::Replicated => None,
             crate::ranks::row_layout::RowLayout::Sharded { chunk } => Some(chunk),
         })

@@ -11,6 +11,9 @@ pub enum DType {
 }
 
 impl DType {
+    /// Every dtype, in the order the docs list them.
+    pub const ALL: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
     /// Size of one element in bytes.
     pub const fn size(self) -> usize {
         match self {

@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 use hscapture_kernels::DType;
 use hscapture_worker::attribution::layers::{Convention, LayerPlan};
 use hscapture_worker::attribution::plan::{NewRequest, StepInput};
-use hscapture_worker::capture::session::{Session, SessionConfig};
+use hscapture_worker::capture::session::SessionConfig;
 use hscapture_worker::capture::tensor::{Device, TensorDesc};
-use hscapture_worker::output::writer::{Writer, WriterConfig};
+use hscapture_worker::worker::{OutputSettings, WorkerSession};
 use hscapture_worker::CoreResult;
 
 const SLOTS: usize = 4;
@@ -34,28 +34,18 @@ struct Figures {
 
 fn run(out: PathBuf, background: bool, steps: usize, fwd: Duration, reqs: usize, len: usize) -> CoreResult<Figures> {
     let _ = std::fs::remove_dir_all(&out);
-    let mut s = Session::new(SessionConfig {
+    let cfg = SessionConfig {
         layers: LayerPlan::new(&[2, 16, 28, 30], Convention::After, 32)?,
         hidden_size: WIDTH,
         model_dtype: DType::BF16,
         out_dtype: DType::BF16,
         assemble: true,
-    })?;
+    };
+    let settings = OutputSettings { root: Some(out.clone()), format: "hscapture".into(), compress: None, model: "bench".into(), threads: 8, queue: 64, durable: false };
+    // The worker's own path: the session feeding the writer (from the assembler thread, in the background).
+    let mut s = WorkerSession::new(cfg, settings)?;
     if background {
         s.set_background(2)?;
-    }
-    let mut w = Writer::start(WriterConfig {
-        root: out.clone(),
-        threads: 8,
-        queue: 64,
-        durable: false,
-        metadata: HashMap::new(),
-        pool: Some(s.pool()),
-        compress: None,
-    })?;
-    if background {
-        // As the Python layer does: samples go from the assembler thread straight to the writer.
-        s.set_sink(w.submitter())?;
     }
     let total = reqs * len;
     // One step of bf16 activations (values irrelevant, finite): [total, WIDTH].
@@ -68,7 +58,7 @@ fn run(out: PathBuf, background: bool, steps: usize, fwd: Duration, reqs: usize,
             new_requests: ids
                 .iter()
                 .enumerate()
-                .map(|(r, id)| NewRequest { req_id: id.clone(), prompt_token_ids: vec![1; len], num_computed_tokens: 0, sample: Some((step * reqs + r) as u64) })
+                .map(|(r, id)| NewRequest { req_id: id.clone(), prompt_token_ids: vec![1; len], num_computed_tokens: 0, sample: Some((step * reqs + r) as u64), loss_mask: None })
                 .collect(),
             num_scheduled: ids.iter().map(|id| (id.clone(), len)).collect(),
             total_tokens: total,
@@ -83,21 +73,14 @@ fn run(out: PathBuf, background: bool, steps: usize, fwd: Duration, reqs: usize,
             unsafe { s.capture(slot, &desc, None, 0)? };
         }
         let t = Instant::now();
-        let mut done: Vec<_> = s.end_step()?.into_iter().flat_map(|o| o.completed).collect();
-        done.extend(s.take_ready(false)?);
-        for smp in done {
-            w.submit(smp)?;
-        }
+        s.end_step()?;
         worker += t.elapsed();
         per_step.push(worker.as_secs_f64());
         std::thread::sleep(fwd);
     }
     let t = Instant::now();
-    for smp in s.take_ready(true)? {
-        w.submit(smp)?;
-    }
-    s.set_sink(None)?;
-    let recs = w.finish()?;
+    let mut recs = s.drain()?;
+    recs.extend(s.finish()?);
     let drain = t.elapsed().as_secs_f64();
     assert_eq!(recs.len(), steps * reqs, "every sample written");
     let _ = std::fs::remove_dir_all(&out);

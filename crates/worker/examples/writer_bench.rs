@@ -9,14 +9,17 @@
 //! TOKENS × 4 layers × 4096 bf16 (32 MiB per 1024-token sample), incompressible bytes. Prints each
 //! figure and each writer's ratio to the best ceiling seen (the conservative reference: disks vary).
 
-use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use hscapture_kernels::DType;
 use hscapture_worker::attribution::plan::SampleKey;
+use hscapture_worker::failure::Failure;
+use hscapture_worker::output::format::by_name;
+use hscapture_worker::output::record::Identity;
 use hscapture_worker::output::sample::Sample;
+use hscapture_worker::output::sink::FileSink;
 use hscapture_worker::output::writer::{Writer, WriterConfig};
 
 const SLOTS: usize = 4;
@@ -56,17 +59,20 @@ fn ceiling(dir: &Path, bytes: usize) -> std::io::Result<f64> {
 fn run_writer(root: &Path, threads: usize, samples: Vec<Sample>) -> Result<f64, String> {
     let bytes: usize = samples.iter().map(|s| s.data.len()).sum();
     let _ = std::fs::remove_dir_all(root);
-    let cfg = WriterConfig {
-        root: root.to_path_buf(),
-        threads,
-        queue: 2 * threads,
-        durable: true,
-        metadata: HashMap::new(),
-        pool: None,
-        compress: None,
+    let identity = Identity {
+        format: "hscapture".into(),
+        model: "writer_bench".into(),
+        layer_ids: (0..SLOTS).collect(),
+        convention: "after".into(),
+        dtype: "bfloat16".into(),
+        hidden_size: WIDTH,
+        num_hidden_layers: SLOTS,
     };
     let t = Instant::now();
-    let mut w = Writer::start(cfg).map_err(|e| e.to_string())?;
+    let format = by_name("hscapture", None).map_err(|e| e.to_string())?;
+    let sink = std::sync::Arc::new(FileSink::open(root, format, identity, true).map_err(|e| e.to_string())?);
+    let cfg = WriterConfig { threads, queue: 2 * threads, pool: None };
+    let mut w = Writer::start(sink, cfg, Failure::new()).map_err(|e| e.to_string())?;
     for s in samples {
         w.submit(s).map_err(|e| e.to_string())?;
     }
@@ -118,6 +124,7 @@ fn main() {
                 slots: SLOTS,
                 width: WIDTH,
                 dtype: DType::BF16,
+                loss_mask: None,
             })
             .collect();
         match run_writer(&dir.join(format!("w{t}")), t, samples) {

@@ -16,6 +16,7 @@ pub mod error;
 pub mod failure;
 pub mod output;
 pub mod ranks;
+pub mod worker;
 
 #[cfg(feature = "python")]
 mod py;

@@ -38,11 +38,12 @@ impl Convention {
         }
     }
 
-    /// The largest valid id for a model with `n` decoder layers.
-    pub const fn max_id(self, n: usize) -> usize {
-        match self {
-            Convention::After => n - 1,
-            Convention::Before => n,
+    /// The largest valid id for a model with `n` decoder layers (None for a model without layers).
+    pub const fn max_id(self, n: usize) -> Option<usize> {
+        match (self, n) {
+            (_, 0) => None,
+            (Convention::After, n) => Some(n - 1),
+            (Convention::Before, n) => Some(n),
         }
     }
 }
@@ -68,15 +69,16 @@ impl LayerPlan {
     /// Validates `ids` for `convention` on a model with `num_hidden_layers` decoder layers.
     /// Refuses an empty list, duplicates and ids out of range; sorts ascending.
     pub fn new(ids: &[i64], convention: Convention, num_hidden_layers: usize) -> CoreResult<LayerPlan> {
-        ensure!(num_hidden_layers > 0, Config, "the model reports 0 decoder layers: nothing can be captured");
+        let Some(max) = convention.max_id(num_hidden_layers) else {
+            bail!(Config, "the model reports 0 decoder layers: nothing can be captured");
+        };
         ensure!(
             !ids.is_empty(),
             Config,
             "the list of layer ids is empty: name at least one layer, e.g. `--layers {}` (convention `{}`)",
-            default_ids(convention, num_hidden_layers).iter().map(|x| x.to_string()).collect::<Vec<_>>().join(","),
+            default_ids(convention, num_hidden_layers)?.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(","),
             convention.name()
         );
-        let max = convention.max_id(num_hidden_layers);
         let mut out = Vec::with_capacity(ids.len());
         for &id in ids {
             if id < 0 || id as u64 > max as u64 {
@@ -141,13 +143,15 @@ impl LayerPlan {
 
 /// The default ids of each convention's ecosystem for a model with `n` decoder layers:
 /// `after` — speculators 0.3/0.4's `[2, N/2, N-3, N-1]`; `before` — speculators' training
-/// `[2, N/2, N-3, N]`. Duplicates (tiny models) are removed.
-pub fn default_ids(convention: Convention, n: usize) -> Vec<usize> {
-    let last = convention.max_id(n);
-    let mut v: Vec<usize> = [2usize.min(last), n / 2, n.saturating_sub(3), last].into_iter().map(|x| x.min(last)).collect();
+/// `[2, N/2, N-3, N]`. Duplicates (tiny models) are removed; a model without layers has none.
+pub fn default_ids(convention: Convention, n: usize) -> CoreResult<Vec<usize>> {
+    let Some(last) = convention.max_id(n) else {
+        bail!(Config, "the model reports 0 decoder layers: there are no default layer ids");
+    };
+    let mut v: Vec<usize> = [2, n / 2, n.saturating_sub(3), last].into_iter().map(|x| x.min(last)).collect();
     v.sort_unstable();
     v.dedup();
-    v
+    Ok(v)
 }
 
 #[cfg(test)]

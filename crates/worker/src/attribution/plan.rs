@@ -46,6 +46,8 @@ pub struct NewRequest {
     pub num_computed_tokens: usize,
     /// The sample index the driver attached to the request, if any.
     pub sample: Option<u64>,
+    /// The prompt's training mask (0/1 per token), when the driver attached one.
+    pub loss_mask: Option<Vec<u8>>,
 }
 
 /// A request the model runner already knows.
@@ -103,7 +105,7 @@ impl StepPlan {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
     /// All prompt rows are captured; the sample can be assembled.
-    Completed { req_id: String, sample: SampleKey, token_ids: Vec<i64> },
+    Completed { req_id: String, sample: SampleKey, token_ids: Vec<i64>, loss_mask: Option<Vec<u8>> },
     /// The request finished or was aborted before its prompt was complete; its rows are dropped.
     Aborted { req_id: String, sample: SampleKey, captured: usize, prompt_len: usize },
 }
@@ -112,6 +114,7 @@ pub enum Event {
 struct Track {
     sample: SampleKey,
     token_ids: Vec<i64>,
+    loss_mask: Option<Vec<u8>>,
     prompt_len: usize,
     captured: usize,
     done: bool,
@@ -215,6 +218,7 @@ impl Tracker {
                     Track {
                         sample,
                         token_ids: r.prompt_token_ids.clone(),
+                        loss_mask: r.loss_mask.clone(),
                         prompt_len: r.prompt_token_ids.len(),
                         captured: 0,
                         done: false,
@@ -367,6 +371,7 @@ impl Tracker {
                     req_id: s.req_id.clone(),
                     sample: t.sample.clone(),
                     token_ids: std::mem::take(&mut t.token_ids),
+                    loss_mask: t.loss_mask.take(),
                 });
             }
         }

@@ -101,7 +101,7 @@ impl Accounting {
             job.segments = plan.segments.clone();
         }
         for e in events {
-            if let Event::Completed { req_id, sample, token_ids } = e {
+            if let Event::Completed { req_id, sample, token_ids, loss_mask } = e {
                 ensure!(
                     self.emitted.insert(sample.clone()),
                     Output,
@@ -117,7 +117,7 @@ impl Accounting {
                 }
                 self.stats.samples += 1;
                 if cfg.assemble {
-                    job.completions.push(Completion { req_id, sample, token_ids });
+                    job.completions.push(Completion { req_id, sample, token_ids, loss_mask });
                 }
             }
         }

@@ -23,6 +23,7 @@ pub struct Completion {
     pub req_id: String,
     pub sample: SampleKey,
     pub token_ids: Vec<i64>,
+    pub loss_mask: Option<Vec<u8>>,
 }
 
 /// What one step asks of the scatter half, in order: copy `segments`, emit `completions`, recycle the
@@ -91,7 +92,7 @@ fn finish(g: Geometry, c: Completion, data: Vec<u8>, emit: Option<Emit<'_>>) -> 
         g.width,
         g.dtype
     );
-    let sample = Sample { key: c.sample, req_id: c.req_id, token_ids: c.token_ids, data, rows: n, slots: g.slots, width: g.width, dtype: g.dtype };
+    let sample = Sample { key: c.sample, req_id: c.req_id, token_ids: c.token_ids, data, rows: n, slots: g.slots, width: g.width, dtype: g.dtype, loss_mask: c.loss_mask };
     match emit {
         Some(f) => f(sample).map(|()| None),
         None => Ok(Some(sample)),

@@ -1,5 +1,6 @@
 //! Files that appear whole or not at all: written under a temporary name in the same directory,
-//! optionally flushed to disk, then renamed into place.
+//! optionally flushed to disk, then renamed into place (and the directory flushed). Every file's
+//! checksum is computed on the way out, so its record vouches for exactly the bytes written.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufWriter, Write};
@@ -7,8 +8,16 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::CoreResult;
+use crate::output::record::checksum_text;
 
 static COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// What was written: the file's size and `xxh3:` checksum.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Written {
+    pub bytes: u64,
+    pub checksum: String,
+}
 
 /// The temporary name used while `path` is being written: `.{name}.partial-{pid}-{n}`, hidden and
 /// never matching a finished file's pattern.
@@ -18,51 +27,77 @@ pub fn partial_path(path: &Path) -> PathBuf {
     path.with_file_name(format!(".{name}.partial-{}-{n}", std::process::id()))
 }
 
-fn io_err(what: &str, path: &Path, e: std::io::Error) -> crate::error::CoreError {
+/// Whether a file name is a temporary left by an interrupted [`write_atomic`].
+pub fn is_partial(name: &str) -> bool {
+    name.starts_with('.') && name.contains(".partial-")
+}
+
+pub fn io_err(what: &str, path: &Path, e: std::io::Error) -> crate::error::CoreError {
     let hint = match e.raw_os_error() {
         Some(28) => "; the disk is full: free space or choose another output directory",
         Some(13) | Some(1) => "; permission denied: choose a directory you can write",
         Some(30) => "; the file system is read-only",
+        Some(20) => "; a part of the path is a file, not a directory",
         _ => "",
     };
     crate::core_err!(Output, "{what} {}: {e}{hint}", path.display())
 }
 
-/// Writes `path` atomically: `fill` writes the content into a buffered temporary file; with `durable`
-/// the file (and then its directory) is flushed to disk before and after the rename.
-pub fn write_atomic(
-    path: &Path,
-    durable: bool,
-    fill: impl FnOnce(&mut BufWriter<&File>) -> std::io::Result<()>,
-) -> CoreResult<u64> {
+/// A writer that hashes what passes through it.
+struct Hashing<W: Write> {
+    inner: W,
+    hash: xxhash_rust::xxh3::Xxh3,
+    bytes: u64,
+}
+
+impl<W: Write> Write for Hashing<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hash.update(&buf[..n]);
+        self.bytes += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Flushes a directory's entries (a rename in it) to disk.
+pub fn sync_dir(dir: &Path) -> CoreResult<()> {
+    let d = File::open(dir).map_err(|e| io_err("cannot open the directory", dir, e))?;
+    d.sync_all().map_err(|e| io_err("cannot flush the directory", dir, e))
+}
+
+/// Writes `path` atomically: `fill` writes the content; with `durable` the file is flushed to disk
+/// before the rename and its directory after it (a failed directory flush is an error: the rename
+/// might not survive a crash). Returns the size and checksum of what was written.
+pub fn write_atomic(path: &Path, durable: bool, fill: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> CoreResult<Written> {
     let tmp = partial_path(path);
-    let result = (|| -> CoreResult<u64> {
+    let result = (|| -> CoreResult<Written> {
         let file = OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(|e| io_err("cannot create", &tmp, e))?;
-        {
-            let mut w = BufWriter::with_capacity(1 << 20, &file);
+        let written = {
+            let mut w = Hashing { inner: BufWriter::with_capacity(1 << 20, &file), hash: xxhash_rust::xxh3::Xxh3::new(), bytes: 0 };
             fill(&mut w).map_err(|e| io_err("cannot write", &tmp, e))?;
             w.flush().map_err(|e| io_err("cannot write", &tmp, e))?;
-        }
+            Written { bytes: w.bytes, checksum: checksum_text(w.hash.digest()) }
+        };
         if durable {
             file.sync_all().map_err(|e| io_err("cannot flush", &tmp, e))?;
         }
-        let len = file.metadata().map_err(|e| io_err("cannot stat", &tmp, e))?.len();
         drop(file);
         fs::rename(&tmp, path).map_err(|e| io_err("cannot rename into place", path, e))?;
-        if durable {
-            if let Some(dir) = path.parent() {
-                // Persist the rename; a directory that cannot be opened for sync is not an error.
-                if let Ok(d) = File::open(dir) {
-                    let _ = d.sync_all();
-                }
-            }
-        }
-        Ok(len)
+        Ok(written)
     })();
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
     }
-    result
+    let written = result?;
+    if durable {
+        if let Some(dir) = path.parent() {
+            sync_dir(if dir.as_os_str().is_empty() { Path::new(".") } else { dir })?;
+        }
+    }
+    Ok(written)
 }
 
 #[cfg(test)]

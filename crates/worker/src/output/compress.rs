@@ -24,11 +24,14 @@ pub fn encode(data: &[u8], elem: usize, level: i32) -> CoreResult<Vec<u8>> {
     zstd::bulk::compress(&planes, level).map_err(|e| core_err!(Output, "zstd compression failed: {e}"))
 }
 
-/// Inverts [`encode`]: `len` is the decoded size in bytes.
+/// Inverts [`encode`]: `len` is the decoded size in bytes. Memory grows with what actually decodes
+/// (never sized from `len` up front: `len` comes from the file).
 pub fn decode(compressed: &[u8], elem: usize, len: usize, what: &str) -> CoreResult<Vec<u8>> {
+    use std::io::Read;
     ensure!(elem > 0 && len % elem == 0, Output, "{what}: {len} bytes are not whole {elem}-byte elements");
-    let planes = zstd::bulk::decompress(compressed, len)
-        .map_err(|e| core_err!(Output, "{what}: the compressed states do not decode ({e}); the file is damaged: delete it and re-run"))?;
+    let damaged = |e: std::io::Error| core_err!(Output, "{what}: the compressed states do not decode ({e}); the file is damaged: delete it and re-run");
+    let mut planes = Vec::new();
+    zstd::stream::read::Decoder::new(compressed).map_err(damaged)?.take(len as u64 + 1).read_to_end(&mut planes).map_err(damaged)?;
     ensure!(planes.len() == len, Output, "{what}: decoded {} bytes, expected {len}; the file is damaged", planes.len());
     let n = len / elem;
     let mut data = vec![0u8; len];

@@ -1,4 +1,8 @@
 //! `OUT/manifest.json`: what a directory of captured states holds and how to check it.
+//!
+//! Format `hscapture/2` (written now): each record's `checksum` is the xxh3-64 of its whole file, and
+//! `sample_format` names the files' format. `hscapture/1` (read, for `verify`): the checksum covered
+//! the `hidden_states` bytes only.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -6,14 +10,23 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::output::atomic::write_atomic;
-use crate::output::writer::SampleRecord;
+use crate::output::record::{Identity, SampleRecord};
 use crate::{core_err, ensure, error::CoreResult};
 
-pub const FORMAT: &str = "hscapture/1";
+pub const FORMAT: &str = "hscapture/2";
+/// The manifest format before checksums covered whole files.
+pub const FORMAT_V1: &str = "hscapture/1";
+
+fn default_sample_format() -> String {
+    "hscapture".into()
+}
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
     pub format: String,
+    /// The sample files' format (`format.rs`).
+    #[serde(default = "default_sample_format")]
+    pub sample_format: String,
     pub model: String,
     /// Ascending; `hidden_states[:, k, :]` is layer `layer_ids[k]`.
     pub layer_ids: Vec<usize>,
@@ -49,7 +62,12 @@ impl Manifest {
     }
 
     pub fn check(&self) -> CoreResult<()> {
-        ensure!(self.format == FORMAT, Output, "manifest format {:?} is not {FORMAT:?}", self.format);
+        ensure!(
+            self.format == FORMAT || self.format == FORMAT_V1,
+            Output,
+            "manifest format {:?} is neither {FORMAT:?} nor {FORMAT_V1:?}: written by another tool, or by a newer hscapture",
+            self.format
+        );
         ensure!(
             self.layer_ids.windows(2).all(|w| w[0] < w[1]) && !self.layer_ids.is_empty(),
             Output,
@@ -67,13 +85,31 @@ impl Manifest {
         Ok(())
     }
 
+    /// The identity every file of this capture shares.
+    pub fn identity(&self) -> Identity {
+        Identity {
+            format: self.sample_format.clone(),
+            model: self.model.clone(),
+            layer_ids: self.layer_ids.clone(),
+            convention: self.convention.clone(),
+            dtype: self.dtype.clone(),
+            hidden_size: self.hidden_size,
+            num_hidden_layers: self.num_hidden_layers,
+        }
+    }
+
+    /// Whether record checksums cover whole files (`hscapture/2`) or only the states (`hscapture/1`).
+    pub fn whole_file_checksums(&self) -> bool {
+        self.format == FORMAT
+    }
+
     /// Sorts samples (indexed ones by index, then the others by request id) and writes the manifest
     /// atomically and durably.
     pub fn write(&mut self, path: &Path) -> CoreResult<()> {
         self.check()?;
         self.samples.sort_by(|a, b| (a.index.is_none(), a.index, &a.request_id).cmp(&(b.index.is_none(), b.index, &b.request_id)));
         let text = serde_json::to_vec_pretty(self).map_err(|e| core_err!(Output, "cannot encode the manifest: {e}"))?;
-        write_atomic(path, true, |w| std::io::Write::write_all(w, &text)).map(|_| ())
+        write_atomic(path, true, |w| w.write_all(&text)).map(|_| ())
     }
 
     pub fn read(path: &Path) -> CoreResult<Manifest> {

@@ -1,5 +1,7 @@
 //! An assembled sample: every captured layer of every prompt token of one request.
 
+use std::collections::HashMap;
+
 use crate::attribution::plan::SampleKey;
 use hscapture_kernels::DType;
 
@@ -14,6 +16,22 @@ pub struct Sample {
     pub slots: usize,
     pub width: usize,
     pub dtype: DType,
+    /// The training mask of the prompt's tokens (0/1), when the input has one (the `legacy` format
+    /// stores it; all ones without).
+    pub loss_mask: Option<Vec<u8>>,
+}
+
+/// A sample file read back: `data` is `[shape[0], shape[1], shape[2]]` in `dtype`, decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadedSample {
+    pub token_ids: Vec<i64>,
+    pub shape: [usize; 3],
+    pub dtype: DType,
+    pub data: Vec<u8>,
+    pub metadata: HashMap<String, String>,
+    pub loss_mask: Option<Vec<u8>>,
+    /// The whole file's checksum (what its record must carry).
+    pub checksum: String,
 }
 
 impl Sample {
@@ -49,7 +67,8 @@ pub fn file_stem(key: &SampleKey) -> String {
     }
 }
 
-/// xxh3-64 of the hidden-state bytes, as `xxh3:<16 hex digits>` (what the manifest records).
+/// xxh3-64 of the hidden-state bytes, as `xxh3:<16 hex digits>`: what manifests of format
+/// `hscapture/1` recorded (those of `hscapture/2` record the whole file's checksum).
 pub fn content_checksum(data: &[u8]) -> String {
-    format!("xxh3:{:016x}", xxhash_rust::xxh3::xxh3_64(data))
+    crate::output::record::file_checksum(data)
 }

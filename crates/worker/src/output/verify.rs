@@ -1,12 +1,16 @@
-//! Checking a capture directory: every sample file against the manifest and the contract, and
-//! rebuilding the records of finished files (for resuming a run whose manifest was never written).
+//! Checking a capture directory: every sample file against the manifest and the contract, whatever
+//! its format (the format decodes; the checks are the same), and every file the manifest does not
+//! list (orphans, leftover partial files).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 use std::path::Path;
 
+use crate::output::atomic::is_partial;
+use crate::output::format::{by_name, Format};
 use crate::output::manifest::Manifest;
-use crate::output::safetensors::read_sample_file;
-use crate::output::writer::SampleRecord;
+use crate::output::record::{file_checksum, Identity, SampleRecord};
+use crate::output::safetensors::META_IDENTITY;
+use crate::output::sample::{content_checksum, LoadedSample};
 use crate::{core_err, error::CoreResult};
 use hscapture_kernels::DType;
 
@@ -29,95 +33,90 @@ pub struct VerifyReport {
     pub problems: Vec<String>,
 }
 
-/// Parses `hs_{i}.safetensors` into `i`.
-pub fn index_of(name: &str) -> Option<u64> {
-    name.strip_prefix("hs_")?.strip_suffix(".safetensors")?.parse().ok()
+/// How a record is named in problems.
+pub fn describe(rec: &SampleRecord) -> String {
+    rec.index.map_or_else(|| format!("request {:?}", rec.request_id), |i| format!("sample {i}"))
 }
 
-/// Checks every sample the manifest lists (file present, checksum, length, shape, dtype, finite values,
-/// token-id count) and every file it does not (orphans, leftover partial files).
+/// Checks one file's bytes against its record and the capture's identity; returns the decoded
+/// sample, or why it cannot be trusted. `whole_file`: the record's checksum covers the whole file
+/// (else only the states, as `hscapture/1` manifests recorded it).
+pub fn check_file(format: &dyn Format, root: &Path, rec: &SampleRecord, identity: &Identity, whole_file: bool) -> Result<LoadedSample, Vec<String>> {
+    let path = root.join(&rec.file);
+    let bytes = std::fs::read(&path).map_err(|e| vec![format!("cannot read {}: {e}", rec.file)])?;
+    let mut s = format.decode(&bytes, &rec.file).map_err(|e| vec![e.message])?;
+    s.checksum = file_checksum(&bytes);
+    let mut problems = Vec::new();
+    let recorded = if whole_file { s.checksum.clone() } else { content_checksum(&s.data) };
+    if recorded != rec.checksum {
+        problems.push(format!("checksum {recorded} but its record says {}; the file changed after it was written", rec.checksum));
+    }
+    let expected = [rec.length, identity.layer_ids.len(), identity.hidden_size];
+    if s.shape != expected {
+        problems.push(format!("hidden_states shape {:?}, expected {:?}", s.shape, expected));
+    }
+    if s.dtype.torch_name() != identity.dtype {
+        problems.push(format!("dtype {}, the capture stores {}", s.dtype, identity.dtype));
+    }
+    if s.token_ids.len() != rec.length {
+        problems.push(format!("{} token ids for {} rows", s.token_ids.len(), rec.length));
+    }
+    if let Some(found) = s.metadata.get(META_IDENTITY).and_then(|j| serde_json::from_str::<Identity>(j).ok()) {
+        let diff = found.differences(identity);
+        if !diff.is_empty() {
+            problems.push(format!("written by a capture with other settings ({})", diff.join("; ")));
+        }
+    }
+    let bad = count_nonfinite(&s.data, s.dtype);
+    if bad > 0 {
+        problems.push(format!("{bad} NaN/Inf values"));
+    }
+    if problems.is_empty() {
+        Ok(s)
+    } else {
+        Err(problems)
+    }
+}
+
+/// Checks every sample the manifest lists (file present, checksum, length, shape, dtype, finite
+/// values, token-id count, settings) and every file it does not (orphans, leftover partial files).
 pub fn verify_dir(root: &Path) -> CoreResult<VerifyReport> {
     let m = Manifest::read(&root.join("manifest.json"))?;
-    let dtype = DType::parse(&m.dtype).ok_or_else(|| core_err!(Output, "manifest dtype {:?} is not a known dtype", m.dtype))?;
+    let format = by_name(&m.sample_format, None)?;
+    let identity = m.identity();
     let mut rep = VerifyReport::default();
-    let listed: HashSet<&str> = m.samples.iter().map(|s| s.file.as_str()).collect();
-    for s in &m.samples {
-        let path = root.join(&s.file);
-        let what = s.index.map_or_else(|| format!("request {:?}", s.request_id), |i| format!("sample {i}"));
-        let loaded = match read_sample_file(&path) {
-            Ok(l) => l,
-            Err(e) => {
-                rep.problems.push(format!("{what} ({}): {}", s.file, e.message));
-                continue;
-            }
-        };
-        let expected = [s.length, m.layer_ids.len(), m.hidden_size];
-        if loaded.shape != expected {
-            rep.problems.push(format!("{what}: hidden_states shape {:?}, expected {:?}", loaded.shape, expected));
-        }
-        if loaded.dtype != dtype {
-            rep.problems.push(format!("{what}: dtype {}, the manifest says {}", loaded.dtype, dtype));
-        }
-        if loaded.token_ids.len() != s.length {
-            rep.problems.push(format!("{what}: {} token ids for {} rows", loaded.token_ids.len(), s.length));
-        }
-        if loaded.checksum != s.checksum {
-            rep.problems.push(format!("{what}: checksum {} but the manifest recorded {}; the file changed after it was written", loaded.checksum, s.checksum));
-        }
-        let bad = count_nonfinite(&loaded.data, loaded.dtype);
-        if bad > 0 {
-            rep.problems.push(format!("{what}: {bad} NaN/Inf values"));
+    for rec in &m.samples {
+        let what = describe(rec);
+        match check_file(format.as_ref(), root, rec, &identity, m.whole_file_checksums()) {
+            Ok(_) => {}
+            Err(ps) => rep.problems.extend(ps.into_iter().map(|p| format!("{what}: {p}"))),
         }
         rep.samples += 1;
-        rep.tokens += s.length as u64;
-        rep.bytes += s.bytes;
+        rep.tokens += rec.length as u64;
+        rep.bytes += rec.bytes;
     }
-    let dir = root.join("hidden_states");
-    let entries = std::fs::read_dir(&dir).map_err(|e| core_err!(Output, "cannot list {}: {e}", dir.display()))?;
-    for e in entries.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        if name.contains(".partial-") {
-            rep.problems.push(format!("leftover partial file hidden_states/{name} (an interrupted write; safe to delete)"));
-        } else if name.ends_with(".safetensors") && !listed.contains(format!("hidden_states/{name}").as_str()) {
-            rep.problems.push(format!("hidden_states/{name} is not in the manifest"));
-        }
-    }
+    let listed: HashSet<&str> = m.samples.iter().map(|s| s.file.as_str()).collect();
+    rep.problems.extend(unlisted(root, format.as_ref(), &listed)?);
     Ok(rep)
 }
 
-/// Finished samples by index (record, token ids), and the files that could not be read.
-pub type Finished = (BTreeMap<u64, (SampleRecord, Vec<i64>)>, Vec<String>);
-
-/// Records of the finished sample files in `root/hidden_states` (indexed ones), read from the files
-/// themselves: what a run killed before writing its manifest leaves behind. Files that do not read
-/// back whole are skipped (and reported).
-pub fn scan_finished(root: &Path) -> CoreResult<Finished> {
-    let dir = root.join("hidden_states");
-    let mut out = BTreeMap::new();
-    let mut skipped = Vec::new();
-    let Ok(entries) = std::fs::read_dir(&dir) else {
-        return Ok((out, skipped));
-    };
-    for e in entries.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let Some(i) = index_of(&name) else { continue };
-        match read_sample_file(&e.path()) {
-            Ok(l) => {
-                let bytes = e.metadata().map(|m| m.len()).unwrap_or(0);
-                let rec = SampleRecord {
-                    index: Some(i),
-                    request_id: None,
-                    file: format!("hidden_states/{name}"),
-                    length: l.token_ids.len(),
-                    checksum: l.checksum,
-                    bytes,
-                };
-                out.insert(i, (rec, l.token_ids));
-            }
-            Err(err) => skipped.push(format!("hidden_states/{name}: {}", err.message)),
+/// Files in the format's folder that no record lists: leftover partial files and orphans.
+pub fn unlisted(root: &Path, format: &dyn Format, listed: &HashSet<&str>) -> CoreResult<Vec<String>> {
+    let dir = root.join(format.folder());
+    let entries = std::fs::read_dir(&dir).map_err(|e| core_err!(Output, "cannot list {}: {e}", dir.display()))?;
+    let prefix = if format.folder().is_empty() { String::new() } else { format!("{}/", format.folder()) };
+    let mut out = Vec::new();
+    let mut names: Vec<String> = entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    for name in names {
+        let rel = format!("{prefix}{name}");
+        if is_partial(&name) {
+            out.push(format!("leftover partial file {rel} (an interrupted write; safe to delete)"));
+        } else if !listed.contains(rel.as_str()) && (format.index_of(&name).is_some() || rel.starts_with("hidden_states/hs_req-")) {
+            out.push(format!("{rel} is not in the manifest"));
         }
     }
-    Ok((out, skipped))
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -1,110 +1,56 @@
-//! The writer: a pool of threads that turn assembled samples into files.
+//! The writer: a pool of threads that hand assembled samples to a [`Sink`].
 //!
-//! Samples go through a bounded queue: when the disk is slower than capture, `submit` blocks
-//! (backpressure) instead of letting memory grow. A failed write is kept and reported by the next
-//! `submit`, `poll` or `finish`; a panicking thread is reported, never silently lost.
+//! Samples go through a bounded queue: when the sink is slower than capture, `submit` blocks
+//! (backpressure) instead of letting memory grow. A failed write goes to the capture's [`Failure`]
+//! and is reported by the next `submit`, `poll` or `finish`; the samples already queued are still
+//! written (they are whole and correct); a panicking thread is reported, never silently lost.
 
-use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{bounded, Sender, TrySendError};
-use serde::{Deserialize, Serialize};
 
-use crate::attribution::plan::SampleKey;
+use crate::failure::Failure;
 use crate::output::pool::BufferPool;
-use crate::output::safetensors::write_sample_file_with;
-use crate::output::sample::{content_checksum, Sample};
-use crate::{core_err, error::CoreError, error::CoreResult};
+use crate::output::record::SampleRecord;
+use crate::output::sample::Sample;
+use crate::output::sink::Sink;
+use crate::{core_err, error::CoreResult};
 
-/// Where and how samples are written.
+/// What failed, in the capture's [`Failure`].
+const ORIGIN: &str = "the writer failed earlier";
+
+/// How samples are written.
 #[derive(Clone, Debug)]
 pub struct WriterConfig {
-    /// The output root; files go to `root/hidden_states/`.
-    pub root: PathBuf,
     pub threads: usize,
     /// Samples waiting to be written before `submit` blocks.
     pub queue: usize,
-    /// fsync each file (and its directory) before it is declared done.
-    pub durable: bool,
-    /// Metadata stored in every file's safetensors header.
-    pub metadata: HashMap<String, String>,
     /// Where written samples' buffers go back for reuse.
     pub pool: Option<Arc<BufferPool>>,
-    /// zstd level for byte-plane compression of the states (`compress.rs`); None stores them as is.
-    pub compress: Option<i32>,
-}
-
-/// The journal beside `hidden_states/`: one JSON line per finished sample, appended (and, when durable,
-/// synced) only after the sample's file is in place: the manifest of runs that never end (online serving).
-pub const JOURNAL: &str = "records.jsonl";
-
-/// The journal file, opened on the first line and kept open; its own lock keeps each line whole and
-/// keeps its syncs from holding up the writer threads' shared state.
-struct Journal {
-    path: PathBuf,
-    file: Mutex<Option<std::fs::File>>,
-}
-
-impl Journal {
-    fn append(&self, rec: &SampleRecord, durable: bool) -> CoreResult<()> {
-        use std::io::Write;
-        let path = &self.path;
-        let line = serde_json::to_string(rec).map_err(|e| core_err!(Output, "cannot encode the record of {}: {e}", rec.file))?;
-        let mut g = self.file.lock().unwrap_or_else(|p| p.into_inner());
-        if g.is_none() {
-            let f = std::fs::OpenOptions::new().create(true).append(true).open(path).map_err(|e| {
-                core_err!(Output, "cannot open {}: {e}; choose an output directory you can write", path.display())
-            })?;
-            *g = Some(f);
-        }
-        let Some(f) = g.as_mut() else {
-            return Err(core_err!(Output, "cannot open {}", path.display()));
-        };
-        f.write_all(format!("{line}\n").as_bytes())
-            .and_then(|_| if durable { f.sync_data() } else { Ok(()) })
-            .map_err(|e| core_err!(Output, "cannot append to {}: {e} (disk full?)", path.display()))
-    }
-}
-
-/// One written sample, as the manifest records it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SampleRecord {
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub index: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub request_id: Option<String>,
-    /// Path relative to the output root.
-    pub file: String,
-    pub length: usize,
-    pub checksum: String,
-    pub bytes: u64,
 }
 
 #[derive(Default)]
 struct Shared {
     records: Vec<SampleRecord>,
-    errors: Vec<CoreError>,
     /// Samples written or failed so far.
     done: u64,
 }
 
-#[derive(Default)]
 struct State {
     shared: Mutex<Shared>,
     progress: Condvar,
     /// Samples accepted by the queue so far (from the writer and its submitters).
     submitted: AtomicU64,
+    failure: Failure,
 }
 
 pub struct Writer {
     tx: Option<Sender<Sample>>,
     handles: Vec<JoinHandle<()>>,
     state: Arc<State>,
-    dir: PathBuf,
 }
 
 /// Queues samples for a writer from another thread (the assembler's). The writer's threads stop only
@@ -115,17 +61,21 @@ pub struct Submitter {
     state: Arc<State>,
 }
 
-fn first_error(state: &State) -> CoreResult<()> {
-    match lock(&state.shared).errors.first() {
-        Some(e) => Err(e.clone()),
+fn check(state: &State) -> CoreResult<()> {
+    match state.failure.first() {
+        Some(e) => Err(e),
         None => Ok(()),
     }
+}
+
+fn stopped() -> crate::CoreError {
+    core_err!(Output, "the writer has stopped; no more samples can be written")
 }
 
 impl Submitter {
     /// Queues a sample if the queue has room; gives it back when the queue is full.
     pub fn try_submit(&self, sample: Sample) -> CoreResult<Option<Sample>> {
-        first_error(&self.state)?;
+        check(&self.state)?;
         self.state.submitted.fetch_add(1, Ordering::SeqCst);
         match self.tx.try_send(sample) {
             Ok(()) => Ok(None),
@@ -133,20 +83,20 @@ impl Submitter {
                 self.state.submitted.fetch_sub(1, Ordering::SeqCst);
                 match e {
                     TrySendError::Full(s) => Ok(Some(s)),
-                    TrySendError::Disconnected(_) => Err(core_err!(Output, "the writer has stopped; no more samples can be written")),
+                    TrySendError::Disconnected(_) => Err(stopped()),
                 }
             }
         }
     }
 
-    /// Queues a sample; blocks while the queue is full (backpressure). Reports an earlier failed write.
+    /// Queues a sample; blocks while the queue is full (backpressure). Reports an earlier failure.
     pub fn submit(&self, sample: Sample) -> CoreResult<()> {
-        first_error(&self.state)?;
+        check(&self.state)?;
         // Counted before the send, so that `drain` never sees a written sample it was not told of.
         self.state.submitted.fetch_add(1, Ordering::SeqCst);
         self.tx.send(sample).map_err(|_| {
             self.state.submitted.fetch_sub(1, Ordering::SeqCst);
-            core_err!(Output, "the writer has stopped; no more samples can be written")
+            stopped()
         })
     }
 }
@@ -156,51 +106,29 @@ fn lock(m: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn write_one(dir: &std::path::Path, sample: &Sample, cfg_meta: &HashMap<String, String>, durable: bool, compress: Option<i32>) -> CoreResult<SampleRecord> {
-    let name = format!("{}.safetensors", sample.file_stem());
-    let bytes = write_sample_file_with(&dir.join(&name), sample, cfg_meta, durable, compress)?;
-    let (index, request_id) = match &sample.key {
-        SampleKey::Index(i) => (Some(*i), None),
-        SampleKey::Request(_) => (None, Some(sample.req_id.clone())),
-    };
-    Ok(SampleRecord {
-        index,
-        request_id,
-        file: format!("hidden_states/{name}"),
-        length: sample.rows,
-        checksum: content_checksum(&sample.data),
-        bytes,
-    })
-}
-
 impl Writer {
-    pub fn start(cfg: WriterConfig) -> CoreResult<Writer> {
-        let dir = cfg.root.join("hidden_states");
-        std::fs::create_dir_all(&dir).map_err(|e| {
-            core_err!(Output, "cannot create the output directory {}: {e}; choose a directory you can write", dir.display())
-        })?;
+    /// Starts `cfg.threads` threads writing into `sink`; their failures go to `failure`.
+    pub fn start(sink: Arc<dyn Sink>, cfg: WriterConfig, failure: Failure) -> CoreResult<Writer> {
         let (tx, rx) = bounded::<Sample>(cfg.queue.max(1));
-        let state = Arc::new(State::default());
-        let journal = Arc::new(Journal { path: cfg.root.join(JOURNAL), file: Mutex::new(None) });
+        let state = Arc::new(State { shared: Mutex::default(), progress: Condvar::new(), submitted: AtomicU64::new(0), failure });
         let mut handles = Vec::new();
         for t in 0..cfg.threads.max(1) {
-            let (rx, state, dir, meta, pool) = (rx.clone(), Arc::clone(&state), dir.clone(), cfg.metadata.clone(), cfg.pool.clone());
-            let journal = Arc::clone(&journal);
-            let (durable, compress) = (cfg.durable, cfg.compress);
+            let (rx, state, sink, pool) = (rx.clone(), Arc::clone(&state), Arc::clone(&sink), cfg.pool.clone());
             let h = std::thread::Builder::new()
                 .name(format!("hscapture-writer-{t}"))
                 .spawn(move || {
                     for sample in rx.iter() {
-                        let r = catch_unwind(AssertUnwindSafe(|| write_one(&dir, &sample, &meta, durable, compress)))
+                        let r = catch_unwind(AssertUnwindSafe(|| sink.put(&sample)))
                             .unwrap_or_else(|_| Err(core_err!(Output, "the writer thread panicked while writing {}", sample.key)));
                         if let Some(p) = &pool {
                             p.put(sample.data);
                         }
-                        let r = r.and_then(|rec| journal.append(&rec, durable).map(|()| rec));
                         let mut g = lock(&state.shared);
                         match r {
                             Ok(rec) => g.records.push(rec),
-                            Err(e) => g.errors.push(e),
+                            Err(e) => {
+                                state.failure.report(ORIGIN, e);
+                            }
                         }
                         g.done += 1;
                         state.progress.notify_all();
@@ -209,16 +137,12 @@ impl Writer {
                 .map_err(|e| core_err!(Output, "cannot start a writer thread: {e}"))?;
             handles.push(h);
         }
-        Ok(Writer { tx: Some(tx), handles, state, dir })
+        Ok(Writer { tx: Some(tx), handles, state })
     }
 
-    pub fn dir(&self) -> &std::path::Path {
-        &self.dir
-    }
-
-    /// Reports the first failed write, if any.
+    /// Reports the capture's first failure, if any.
     pub fn poll(&self) -> CoreResult<()> {
-        first_error(&self.state)
+        check(&self.state)
     }
 
     /// A handle that queues samples from another thread; None once the writer is finished.
@@ -255,7 +179,7 @@ impl Writer {
         self.tx = None;
         for h in self.handles.drain(..) {
             if h.join().is_err() {
-                lock(&self.state.shared).errors.push(core_err!(Output, "a writer thread panicked"));
+                self.state.failure.report(ORIGIN, core_err!(Output, "a writer thread panicked"));
             }
         }
         self.poll()?;

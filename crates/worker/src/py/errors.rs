@@ -1,6 +1,6 @@
 //! The exception tree, re-exported by the `hscapture` package:
 //! `HscaptureError` ← `ConfigError`, `ShapeContractError` (← `NonFiniteError`), `AttributionError`,
-//! `RankMismatchError`, `OutputError`, `CompatibilityError`.
+//! `RankMismatchError`, `OutputError`, `CompatibilityError`, `PeerFailedError`.
 
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -16,6 +16,12 @@ create_exception!(hscapture._native, AttributionError, HscaptureError, "Tokens c
 create_exception!(hscapture._native, RankMismatchError, HscaptureError, "Tensor-parallel ranks captured different values for replicated states.");
 create_exception!(hscapture._native, OutputError, HscaptureError, "Writing or reading output files failed.");
 create_exception!(hscapture._native, CompatibilityError, HscaptureError, "The running vLLM, model or machine lacks something hscapture needs.");
+create_exception!(
+    hscapture._native,
+    PeerFailedError,
+    HscaptureError,
+    "Another rank's capture failed, so this one stops too; that rank's own error is the cause."
+);
 
 impl From<CoreError> for PyErr {
     fn from(e: CoreError) -> PyErr {
@@ -42,6 +48,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RankMismatchError", py.get_type::<RankMismatchError>())?;
     m.add("OutputError", py.get_type::<OutputError>())?;
     m.add("CompatibilityError", py.get_type::<CompatibilityError>())?;
+    m.add("PeerFailedError", py.get_type::<PeerFailedError>())?;
     Ok(())
 }
 

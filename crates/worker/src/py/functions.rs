@@ -1,4 +1,5 @@
-//! Module-level functions: layer validation, manifests, sample files, the CUDA probe.
+//! Module-level functions: layer ids, manifests, sample files, verify and resume, the dtype table,
+//! atomic files, the CUDA probe. Each is guarded: a panic (a bug) reaches Python as `HscaptureError`.
 
 use std::path::PathBuf;
 
@@ -6,10 +7,24 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use super::errors::guard;
+use super::session::record_dict;
 use crate::attribution::layers::{default_ids, CapturePoint, Convention, LayerPlan};
+use crate::output::atomic::write_atomic;
+use crate::output::format::read_sample_file;
 use crate::output::manifest::Manifest;
-use crate::output::safetensors::read_sample_file;
-use crate::output::sample::content_checksum;
+use crate::output::record::{file_checksum, Identity};
+use crate::core_err;
+
+/// Capture points in slot order: `("embeddings", 0)` or `("layer_output", k)`.
+pub fn points(plan: &LayerPlan) -> Vec<(&'static str, usize)> {
+    plan.points()
+        .into_iter()
+        .map(|p| match p {
+            CapturePoint::Embeddings => ("embeddings", 0),
+            CapturePoint::LayerOutput(k) => ("layer_output", k),
+        })
+        .collect()
+}
 
 /// Validates layer ids for a convention and model depth; returns them sorted ascending.
 #[pyfunction]
@@ -20,98 +35,109 @@ fn validate_layers(ids: Vec<i64>, convention: &str, num_hidden_layers: usize) ->
 /// The ecosystem's default ids for a convention and model depth.
 #[pyfunction]
 fn default_layers(convention: &str, num_hidden_layers: usize) -> PyResult<Vec<usize>> {
-    Ok(default_ids(Convention::parse(convention)?, num_hidden_layers))
+    guard("default_layers", || Ok(default_ids(Convention::parse(convention)?, num_hidden_layers)?))
 }
 
 /// Where each (validated, sorted) id is captured: `("embeddings", 0)` or `("layer_output", k)`.
 #[pyfunction]
 fn capture_points(ids: Vec<i64>, convention: &str, num_hidden_layers: usize) -> PyResult<Vec<(&'static str, usize)>> {
-    let plan = LayerPlan::new(&ids, Convention::parse(convention)?, num_hidden_layers)?;
-    Ok(plan
-        .points()
-        .into_iter()
-        .map(|p| match p {
-            CapturePoint::Embeddings => ("embeddings", 0),
-            CapturePoint::LayerOutput(k) => ("layer_output", k),
-        })
-        .collect())
+    guard("capture_points", || Ok(points(&LayerPlan::new(&ids, Convention::parse(convention)?, num_hidden_layers)?)))
 }
 
-/// Checks a manifest given as JSON and writes it atomically (samples sorted).
+/// Checks a manifest given as JSON and writes it atomically and durably (samples sorted).
 #[pyfunction]
 fn write_manifest(py: Python<'_>, path: PathBuf, manifest_json: &str) -> PyResult<()> {
-    let mut m = Manifest::from_json(manifest_json)?;
-    py.detach(|| m.write(&path))?;
-    Ok(())
+    guard("write_manifest", || {
+        let mut m = Manifest::from_json(manifest_json)?;
+        Ok(py.detach(|| m.write(&path))?)
+    })
 }
 
 /// Reads and checks a manifest; returns it as JSON.
 #[pyfunction]
-fn read_manifest(path: PathBuf) -> PyResult<String> {
-    let m = Manifest::read(&path)?;
-    serde_json::to_string(&m).map_err(|e| crate::core_err!(Output, "cannot encode the manifest: {e}").into())
+fn read_manifest(py: Python<'_>, path: PathBuf) -> PyResult<String> {
+    guard("read_manifest", || {
+        let m = py.detach(|| Manifest::read(&path))?;
+        Ok(serde_json::to_string(&m).map_err(|e| core_err!(Output, "cannot encode the manifest: {e}"))?)
+    })
 }
 
-/// Reads a sample file: dict with `token_ids`, `shape`, `dtype`, `data` (bytes), `checksum`, `metadata`.
+/// Reads a sample file of any format: dict with `token_ids`, `shape`, `dtype`, `data` (bytes),
+/// `checksum` (of the whole file), `metadata`, `loss_mask` (None unless the format stores one).
 #[pyfunction]
 fn read_sample<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
-    let s = py.detach(|| read_sample_file(&path))?;
-    let d = PyDict::new(py);
-    d.set_item("token_ids", s.token_ids)?;
-    d.set_item("shape", s.shape)?;
-    d.set_item("dtype", s.dtype.torch_name())?;
-    d.set_item("data", PyBytes::new(py, &s.data))?;
-    d.set_item("checksum", s.checksum)?;
-    d.set_item("metadata", s.metadata)?;
-    Ok(d)
+    guard("read_sample", || {
+        let s = py.detach(|| read_sample_file(&path))?;
+        let d = PyDict::new(py);
+        d.set_item("token_ids", s.token_ids)?;
+        d.set_item("shape", s.shape.to_vec())?;
+        d.set_item("dtype", s.dtype.torch_name())?;
+        d.set_item("data", PyBytes::new(py, &s.data))?;
+        d.set_item("checksum", s.checksum)?;
+        d.set_item("metadata", s.metadata)?;
+        d.set_item("loss_mask", s.loss_mask)?;
+        Ok(d)
+    })
 }
 
-/// The manifest's checksum of a byte string (`xxh3:<hex>`).
+/// The checksum records carry, of a byte string (`xxh3:<hex>`).
 #[pyfunction]
-fn checksum(data: &[u8]) -> String {
-    content_checksum(data)
+fn checksum(data: &[u8]) -> PyResult<String> {
+    guard("checksum", || Ok(file_checksum(data)))
 }
 
 /// Checks a capture directory; returns `(samples, tokens, bytes, problems)`.
 #[pyfunction]
 fn verify_dir(py: Python<'_>, root: PathBuf) -> PyResult<(usize, u64, u64, Vec<String>)> {
-    let r = py.detach(|| crate::output::verify::verify_dir(&root))?;
-    Ok((r.samples, r.tokens, r.bytes, r.problems))
+    guard("verify_dir", || {
+        let r = py.detach(|| crate::output::verify::verify_dir(&root))?;
+        Ok((r.samples, r.tokens, r.bytes, r.problems))
+    })
 }
 
-/// Finished indexed sample files under `root/hidden_states`, read from the files:
-/// `({index: (record dict, token_ids)}, skipped)`.
+/// What a run of `identity` (JSON of the capture's settings) resuming the capture in `root` keeps:
+/// `({index: (record dict, token_ids)}, [why each other file is captured again])`.
 #[pyfunction]
-fn scan_finished<'py>(py: Python<'py>, root: PathBuf) -> PyResult<(Bound<'py, PyDict>, Vec<String>)> {
-    let (found, skipped) = py.detach(|| crate::output::verify::scan_finished(&root))?;
-    let d = PyDict::new(py);
-    for (i, (r, toks)) in found {
-        let rec = PyDict::new(py);
-        rec.set_item("index", r.index)?;
-        rec.set_item("request_id", r.request_id)?;
-        rec.set_item("file", r.file)?;
-        rec.set_item("length", r.length)?;
-        rec.set_item("checksum", r.checksum)?;
-        rec.set_item("bytes", r.bytes)?;
-        d.set_item(i, (rec, toks))?;
-    }
-    Ok((d, skipped))
+fn resume_plan<'py>(py: Python<'py>, root: PathBuf, identity: &str) -> PyResult<(Bound<'py, PyDict>, Vec<String>)> {
+    guard("resume_plan", || {
+        let id: Identity = serde_json::from_str(identity).map_err(|e| core_err!(Config, "the capture identity is not valid: {e}"))?;
+        let plan = py.detach(|| crate::output::resume::plan(&root, &id))?;
+        let d = PyDict::new(py);
+        for (i, k) in plan.kept {
+            d.set_item(i, (record_dict(py, &k.record)?, k.token_ids))?;
+        }
+        Ok((d, plan.recapture))
+    })
 }
 
-/// Panics inside `guard` on purpose: proves that a Rust panic reaches Python as `HscaptureError`
-/// (not as `BaseException`). For tests only.
+/// Writes `data` to `path` atomically (durably: file and directory flushed); returns the size.
+#[pyfunction]
+#[pyo3(signature = (path, data, durable=true))]
+fn write_file(py: Python<'_>, path: PathBuf, data: &[u8], durable: bool) -> PyResult<u64> {
+    guard("write_file", || Ok(py.detach(|| write_atomic(&path, durable, |w| w.write_all(data)))?.bytes))
+}
+
+/// The dtypes stored states may have: `[(torch name, bytes per element)]` (the one dtype table).
+#[pyfunction]
+fn dtypes() -> PyResult<Vec<(&'static str, usize)>> {
+    guard("dtypes", || Ok(hscapture_kernels::DType::ALL.iter().map(|d| (d.torch_name(), d.size())).collect()))
+}
+
 /// How a layer's rows on this rank relate to the step's tokens: None (replicated) or the rows per
-/// rank of vLLM's sequence-parallel sharding (gather, then read the first rows). See `layout.rs`.
+/// rank of vLLM's sequence-parallel sharding (gather, then read the first rows). See `row_layout.rs`.
 #[pyfunction]
 fn row_layout(rows: usize, forward_tokens: usize, step_tokens: usize, tp_size: usize, tp_rank: usize, what: &str) -> PyResult<Option<usize>> {
+    use crate::ranks::row_layout::{row_layout, RowLayout};
     guard("row_layout", || {
-        Ok(match crate::ranks::row_layout::row_layout(rows, forward_tokens, step_tokens, tp_size, tp_rank, what)? {
-            crate::ranks::row_layout::RowLayout::Replicated => None,
-            crate::ranks::row_layout::RowLayout::Sharded { chunk } => Some(chunk),
+        Ok(match row_layout(rows, forward_tokens, step_tokens, tp_size, tp_rank, what)? {
+            RowLayout::Replicated => None,
+            RowLayout::Sharded { chunk } => Some(chunk),
         })
     })
 }
 
+/// Panics inside `guard` on purpose: proves that a Rust panic reaches Python as `HscaptureError`
+/// (not as `BaseException`). For tests only.
 #[pyfunction]
 fn _panic_for_test(msg: &str) -> PyResult<()> {
     guard("_panic_for_test", || -> PyResult<()> { std::panic::panic_any(msg.to_string()) })
@@ -119,8 +145,8 @@ fn _panic_for_test(msg: &str) -> PyResult<()> {
 
 /// Whether CUDA kernels can run here.
 #[pyfunction]
-fn cuda_available() -> bool {
-    hscapture_kernels::cuda::is_available()
+fn cuda_available() -> PyResult<bool> {
+    guard("cuda_available", || Ok(hscapture_kernels::cuda::is_available()))
 }
 
 /// What the CUDA probe found, in words.
@@ -135,6 +161,9 @@ fn cuda_probe() -> PyResult<String> {
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("MANIFEST_FORMAT", crate::output::manifest::FORMAT)?;
+    m.add("FILE_FORMAT", crate::output::safetensors::FILE_FORMAT)?;
+    m.add("JOURNAL", crate::output::journal::FILE)?;
     m.add_function(wrap_pyfunction!(validate_layers, m)?)?;
     m.add_function(wrap_pyfunction!(row_layout, m)?)?;
     m.add_function(wrap_pyfunction!(default_layers, m)?)?;
@@ -144,8 +173,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_sample, m)?)?;
     m.add_function(wrap_pyfunction!(checksum, m)?)?;
     m.add_function(wrap_pyfunction!(verify_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(resume_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(write_file, m)?)?;
+    m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
-    m.add_function(wrap_pyfunction!(scan_finished, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_probe, m)?)?;
     Ok(())

@@ -1,6 +1,6 @@
-//! `CaptureSession`: one worker's capture state, driven by the Python worker once per step.
+//! `CaptureSession`: the binding of one worker's capture ([`WorkerSession`]), driven by the Python
+//! worker once per step. Conversions only: every decision is the core's.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 
 use pyo3::prelude::*;
@@ -8,26 +8,26 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
 
 use super::errors::guard;
 use super::tensor::{describe, parse_dtype};
-use crate::attribution::layers::{CapturePoint, Convention, LayerPlan};
+use crate::attribution::layers::{Convention, LayerPlan};
 use crate::attribution::plan::{CachedRequest, NewRequest, SampleKey, StepInput};
-use crate::ranks::checksums::verify_replicated;
-use crate::output::sample::Sample;
 use crate::capture::cuda::CudaDevice;
-use crate::capture::session::{Session, SessionConfig, StepOutcome};
-use crate::output::writer::{SampleRecord, Writer, WriterConfig};
+use crate::capture::session::SessionConfig;
+use crate::output::record::SampleRecord;
+use crate::ranks::checksums::verify_replicated;
+use crate::worker::{OutputSettings, StepReport, WorkerSession};
 
-type NewReqTuple = (String, Vec<i64>, usize, Option<u64>);
+/// `(request id, prompt token ids, computed tokens, sample index, loss mask)`.
+type NewReqTuple = (String, Vec<i64>, usize, Option<u64>, Option<Vec<u8>>);
 type CachedReqTuple = (String, usize, bool);
+/// `(step, checksum as i64, rows, samples completed)`.
+type ReportTuple = (u64, i64, usize, usize);
 
 #[pyclass(module = "hscapture._native")]
 pub struct CaptureSession {
-    inner: Session,
-    writer: Option<Writer>,
-    samples: Vec<Sample>,
-    aborted: Vec<(String, String, usize, usize)>,
+    inner: WorkerSession,
 }
 
-fn record_dict<'py>(py: Python<'py>, r: &SampleRecord) -> PyResult<Bound<'py, PyDict>> {
+pub fn record_dict<'py>(py: Python<'py>, r: &SampleRecord) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("index", r.index)?;
     d.set_item("request_id", r.request_id.clone())?;
@@ -38,6 +38,14 @@ fn record_dict<'py>(py: Python<'py>, r: &SampleRecord) -> PyResult<Bound<'py, Py
     Ok(d)
 }
 
+fn records<'py>(py: Python<'py>, rs: &[SampleRecord]) -> PyResult<Bound<'py, PyList>> {
+    let out = PyList::empty(py);
+    for r in rs {
+        out.append(record_dict(py, r)?)?;
+    }
+    Ok(out)
+}
+
 fn key_str(k: &SampleKey) -> String {
     match k {
         SampleKey::Index(i) => i.to_string(),
@@ -45,41 +53,20 @@ fn key_str(k: &SampleKey) -> String {
     }
 }
 
-type OutcomeTuple = (u64, i64, usize, usize);
-
-impl CaptureSession {
-    /// Hands an assembled step's samples to the writer (or keeps them) and reports it.
-    /// Also collects what the assembler thread completed meanwhile (all of it, waiting, with `fence`).
-    fn take_outcome(&mut self, py: Python<'_>, outs: Vec<StepOutcome>, fence: bool) -> PyResult<Vec<OutcomeTuple>> {
-        let inner = &mut self.inner;
-        let mut ready = py.detach(|| inner.take_ready(fence))?;
-        let mut tuples = Vec::with_capacity(outs.len());
-        for mut out in outs {
-            let completed = out.completed.len();
-            ready.append(&mut out.completed);
-            for a in &out.aborted {
-                self.aborted.push((a.req_id.clone(), key_str(&a.sample), a.captured, a.prompt_len));
-            }
-            tuples.push((out.step, out.checksum as i64, out.rows, completed));
-        }
-        if let Some(w) = self.writer.as_mut() {
-            // Blocks while the writer's queue is full (backpressure), without holding the GIL.
-            py.detach(|| ready.into_iter().try_for_each(|s| w.submit(s)))?;
-        } else {
-            self.samples.extend(ready);
-        }
-        Ok(tuples)
-    }
+fn tuples(rs: Vec<StepReport>) -> Vec<ReportTuple> {
+    // The checksum travels as i64: what a torch int64 all-gather carries.
+    rs.into_iter().map(|r| (r.step, r.checksum as i64, r.rows, r.completed)).collect()
 }
 
 #[pymethods]
 impl CaptureSession {
-    /// `out_dir=None` keeps completed samples in memory for `take_samples()`; otherwise they are
-    /// written to `out_dir/hidden_states/` by `writer_threads` threads.
+    /// `out_dir=None` keeps completed samples in memory for `take_samples()`; otherwise the writing
+    /// rank writes them under `out_dir` in `format` with `writer_threads` threads.
     #[new]
-    #[pyo3(signature = (layer_ids, convention, num_hidden_layers, hidden_size, model_dtype, out_dtype, assemble, out_dir=None, writer_threads=4, writer_queue=8, durable=true, metadata=HashMap::new(), compress=None))]
+    #[pyo3(signature = (layer_ids, convention, num_hidden_layers, hidden_size, model_dtype, out_dtype, assemble, out_dir=None, writer_threads=4, writer_queue=8, durable=true, format="hscapture".to_string(), compress=None, model=String::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
         layer_ids: Vec<i64>,
         convention: &str,
         num_hidden_layers: usize,
@@ -91,72 +78,44 @@ impl CaptureSession {
         writer_threads: usize,
         writer_queue: usize,
         durable: bool,
-        metadata: HashMap<String, String>,
+        format: String,
         compress: Option<i32>,
+        model: String,
     ) -> PyResult<Self> {
         guard("CaptureSession()", || {
-            let layers = LayerPlan::new(&layer_ids, Convention::parse(convention)?, num_hidden_layers)?;
             let cfg = SessionConfig {
-                layers,
+                layers: LayerPlan::new(&layer_ids, Convention::parse(convention)?, num_hidden_layers)?,
                 hidden_size,
                 model_dtype: parse_dtype(model_dtype, "model dtype")?,
                 out_dtype: parse_dtype(out_dtype, "output dtype")?,
                 assemble,
             };
-            let inner = Session::new(cfg)?;
-            if compress.is_some_and(|l| !(1..=22).contains(&l)) {
-                return Err(crate::core_err!(
-                    Config,
-                    "compression level {compress:?}: zstd takes 1..=22 (3 is a good default); leave it unset for none"
-                )
-                .into());
-            }
-            let writer = match (assemble, out_dir) {
-                (true, Some(root)) => Some(Writer::start(WriterConfig {
-                    root,
-                    threads: writer_threads,
-                    queue: writer_queue,
-                    durable,
-                    metadata,
-                    pool: Some(inner.pool()),
-                    compress,
-                })?),
-                _ => None,
-            };
-            Ok(CaptureSession { inner, writer, samples: Vec::new(), aborted: Vec::new() })
+            let out = OutputSettings { root: out_dir, format, compress, model, threads: writer_threads, queue: writer_queue, durable };
+            Ok(CaptureSession { inner: py.detach(|| WorkerSession::new(cfg, out))? })
         })
     }
 
     /// Capture points in slot order: `("embeddings", 0)` or `("layer_output", k)`.
-    fn capture_points(&self) -> Vec<(&'static str, usize)> {
-        self.inner
-            .config()
-            .layers
-            .points()
-            .into_iter()
-            .map(|p| match p {
-                CapturePoint::Embeddings => ("embeddings", 0),
-                CapturePoint::LayerOutput(k) => ("layer_output", k),
-            })
-            .collect()
+    fn capture_points(&self) -> PyResult<Vec<(&'static str, usize)>> {
+        guard("capture_points", || Ok(super::functions::points(&self.inner.session().config().layers)))
     }
 
     #[getter]
-    fn layer_ids(&self) -> Vec<usize> {
-        self.inner.config().layers.ids.clone()
+    fn layer_ids(&self) -> PyResult<Vec<usize>> {
+        guard("layer_ids", || Ok(self.inner.session().config().layers.ids.clone()))
     }
 
     #[getter]
-    fn in_step(&self) -> bool {
-        self.inner.in_step()
+    fn in_step(&self) -> PyResult<bool> {
+        guard("in_step", || Ok(self.inner.session().in_step()))
     }
 
     #[getter]
-    fn planned(&self) -> bool {
-        self.inner.planned()
+    fn planned(&self) -> PyResult<bool> {
+        guard("planned", || Ok(self.inner.session().planned()))
     }
 
-    /// Registers a step's scheduler output.
+    /// Registers a step's scheduler output; returns the reports of the device steps it accounted.
     #[pyo3(signature = (new_requests, cached_requests, scheduled, total_tokens, finished, preempted))]
     #[allow(clippy::too_many_arguments)]
     fn begin_step(
@@ -168,12 +127,18 @@ impl CaptureSession {
         total_tokens: usize,
         finished: Vec<String>,
         preempted: Vec<String>,
-    ) -> PyResult<Vec<OutcomeTuple>> {
+    ) -> PyResult<Vec<ReportTuple>> {
         guard("begin_step", || {
             let input = StepInput {
                 new_requests: new_requests
                     .into_iter()
-                    .map(|(req_id, prompt_token_ids, num_computed_tokens, sample)| NewRequest { req_id, prompt_token_ids, num_computed_tokens, sample })
+                    .map(|(req_id, prompt_token_ids, num_computed_tokens, sample, loss_mask)| NewRequest {
+                        req_id,
+                        prompt_token_ids,
+                        num_computed_tokens,
+                        sample,
+                        loss_mask,
+                    })
                     .collect(),
                 cached_requests: cached_requests
                     .into_iter()
@@ -184,19 +149,17 @@ impl CaptureSession {
                 finished,
                 preempted,
             };
-            // May wait for a device step's copies (and for the ring): without the GIL.
+            // May wait for a device step's copies, the ring or the writer: without the GIL.
             let inner = &mut self.inner;
-            let out = py.detach(|| inner.begin_step(input))?;
-            self.take_outcome(py, out, false)
+            Ok(tuples(py.detach(|| inner.begin_step(input))?))
         })
     }
 
     /// Fixes the step's layout from the runner's request order; returns the number of prompt rows.
-    /// May wait for a host buffer to come back from the assembler thread: without the GIL.
     fn plan(&mut self, py: Python<'_>, order: Vec<String>) -> PyResult<usize> {
         guard("plan", || {
             let inner = &mut self.inner;
-            Ok(py.detach(|| inner.plan(&order).map(|p| p.arena_rows))?)
+            Ok(py.detach(|| inner.plan(&order))?)
         })
     }
 
@@ -217,43 +180,32 @@ impl CaptureSession {
         })
     }
 
-    /// Ends the step. Returns `[(step, checksum_as_i64, rows, completed)]` for the steps assembled now,
-    /// oldest first: a host step (after any device step still in flight); none for a device step
-    /// (assembled by a later `begin_step`, or at `flush`). `begin_step` returns the same for the
-    /// device steps it assembles.
-    fn end_step(&mut self, py: Python<'_>) -> PyResult<Vec<OutcomeTuple>> {
+    /// Ends the step. Returns `[(step, checksum_as_i64, rows, completed)]` for the steps accounted now,
+    /// oldest first (see `Session::end_step`).
+    fn end_step(&mut self, py: Python<'_>) -> PyResult<Vec<ReportTuple>> {
         guard("end_step", || {
             let inner = &mut self.inner;
-            let out = py.detach(|| inner.end_step())?;
-            self.take_outcome(py, out, false)
+            Ok(tuples(py.detach(|| inner.end_step())?))
         })
     }
 
-    /// Assembles every device step still in flight and waits for the assembler thread to finish every
-    /// step handed to it; same result as `end_step` (empty if no device step was in flight).
-    fn flush(&mut self, py: Python<'_>) -> PyResult<Vec<OutcomeTuple>> {
+    /// Accounts every device step still in flight and waits for the assembler thread.
+    fn flush(&mut self, py: Python<'_>) -> PyResult<Vec<ReportTuple>> {
         guard("flush", || {
             let inner = &mut self.inner;
-            let out = py.detach(|| inner.flush())?;
-            self.take_outcome(py, out, true)
+            Ok(tuples(py.detach(|| inner.flush())?))
         })
     }
 
-    /// Copies rows into per-request buffers on a thread of its own (a ring of `ring` step buffers), so
-    /// the next forward does not wait for it. Only before the first step.
+    /// Copies rows into per-request buffers on a thread of its own (a ring of `ring` step buffers).
     #[pyo3(signature = (ring=2))]
     fn set_background(&mut self, ring: usize) -> PyResult<()> {
-        guard("set_background", || {
-            self.inner.set_background(ring)?;
-            // Samples go from the assembler thread to the writer: nothing of them on this thread.
-            let sink = self.writer.as_ref().and_then(|w| w.submitter());
-            Ok(self.inner.set_sink(sink)?)
-        })
+        guard("set_background", || Ok(self.inner.set_background(ring)?))
     }
 
     #[getter]
-    fn background(&self) -> bool {
-        self.inner.background()
+    fn background(&self) -> PyResult<bool> {
+        guard("background", || Ok(self.inner.session().background()))
     }
 
     /// Captures CUDA tensors on device `ordinal` from now on: compiles the capture kernel (NVRTC) and
@@ -263,7 +215,7 @@ impl CaptureSession {
     #[pyo3(signature = (ordinal, capacity_rows, host_ring=2, overlap=true))]
     fn enable_device(&mut self, py: Python<'_>, ordinal: i32, capacity_rows: usize, host_ring: usize, overlap: bool) -> PyResult<String> {
         guard("enable_device", || {
-            let cfg = self.inner.config().clone();
+            let cfg = self.inner.session().config().clone();
             let dev = py.detach(|| CudaDevice::new(ordinal, cfg.layers.num_slots(), cfg.hidden_size, cfg.out_dtype, capacity_rows, host_ring))?;
             let arch = dev.arch().to_string();
             self.inner.set_device(Box::new(dev), overlap)?;
@@ -272,147 +224,135 @@ impl CaptureSession {
     }
 
     #[getter]
-    fn device_bytes(&self) -> usize {
-        self.inner.device_bytes()
+    fn device_bytes(&self) -> PyResult<usize> {
+        guard("device_bytes", || Ok(self.inner.session().device_bytes()))
     }
 
     /// Prompt rows per request in the planned step, in the runner's order: `[(request_id, rows)]`.
-    fn step_rows(&self) -> Vec<(String, usize)> {
-        self.inner.step_rows()
+    fn step_rows(&self) -> PyResult<Vec<(String, usize)>> {
+        guard("step_rows", || Ok(self.inner.session().step_rows()))
     }
 
     /// Pipeline parallelism: the slots this rank neither captures nor receives.
     fn set_absent_slots(&mut self, slots: Vec<usize>) -> PyResult<()> {
-        guard("set_absent_slots", || Ok(self.inner.set_absent_slots(&slots)?))
+        guard("set_absent_slots", || Ok(self.inner.session_mut().set_absent_slots(&slots)?))
     }
 
     /// This step's rows of `slots` as one message for the assembling pipeline stage (a bytearray: torch
     /// can send it without another copy).
     fn export_slots<'py>(&self, py: Python<'py>, slots: Vec<usize>) -> PyResult<Bound<'py, PyByteArray>> {
-        guard("export_slots", || {
-            let b = self.inner.export_slots(&slots)?;
-            Ok(PyByteArray::new(py, &b))
-        })
+        guard("export_slots", || Ok(PyByteArray::new(py, &self.inner.session().export_slots(&slots)?)))
     }
 
     /// Writes another stage's message (from `export_slots`) into this step; returns the slots filled.
     fn import_slots(&mut self, py: Python<'_>, message: &[u8], sender: &str) -> PyResult<Vec<usize>> {
         guard("import_slots", || {
-            let inner = &mut self.inner;
-            Ok(py.detach(|| inner.import_slots(message, sender))?)
+            let s = self.inner.session_mut();
+            Ok(py.detach(|| s.import_slots(message, sender))?)
         })
     }
 
     /// Opt-in: skip samples with NaN/Inf values (reported by `take_skipped`) instead of failing.
-    fn set_skip_nonfinite(&mut self, skip: bool) {
-        self.inner.set_skip_nonfinite(skip);
+    fn set_skip_nonfinite(&mut self, skip: bool) -> PyResult<()> {
+        guard("set_skip_nonfinite", || {
+            self.inner.session_mut().set_skip_nonfinite(skip);
+            Ok(())
+        })
     }
 
     /// Samples skipped for non-finite values since the last call: `(sample, request_id, why)`;
     /// `sample` is the sample index as a string, or the request id for requests without one.
-    fn take_skipped(&mut self) -> Vec<(String, String, String)> {
-        self.inner.take_skipped().into_iter().map(|(k, r, why)| (key_str(&k), r, why)).collect()
+    fn take_skipped(&mut self) -> PyResult<Vec<(String, String, String)>> {
+        guard("take_skipped", || Ok(self.inner.session_mut().take_skipped().into_iter().map(|(k, r, why)| (key_str(&k), r, why)).collect()))
     }
 
     /// Drops the step in progress (its forward failed).
-    fn abandon_step(&mut self) {
-        self.inner.abandon_step();
+    fn abandon_step(&mut self) -> PyResult<()> {
+        guard("abandon_step", || {
+            self.inner.session_mut().abandon_step();
+            Ok(())
+        })
     }
 
     /// Compares the step checksums gathered from every rank of a group (index = group rank).
     #[staticmethod]
     fn verify_ranks(step: u64, what: &str, checksums: Vec<i64>) -> PyResult<()> {
-        let c: Vec<u64> = checksums.into_iter().map(|x| x as u64).collect();
-        Ok(verify_replicated(step, what, &c)?)
+        guard("verify_ranks", || {
+            let c: Vec<u64> = checksums.into_iter().map(|x| x as u64).collect();
+            Ok(verify_replicated(step, what, &c)?)
+        })
     }
 
     /// Completed samples kept in memory (sessions without an output directory), removed from the
     /// session: dicts with `sample`, `request_id`, `token_ids`, `shape`, `dtype`, `data` (bytes).
     fn take_samples<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        guard("take_samples", || self.take_outcome(py, Vec::new(), true).map(|_| ()))?;
-        let out = PyList::empty(py);
-        for s in self.samples.drain(..) {
-            let d = PyDict::new(py);
-            match &s.key {
-                SampleKey::Index(i) => d.set_item("sample", *i)?,
-                SampleKey::Request(_) => d.set_item("sample", py.None())?,
+        guard("take_samples", || {
+            let inner = &mut self.inner;
+            let samples = py.detach(|| inner.take_samples())?;
+            let out = PyList::empty(py);
+            for s in samples {
+                let d = PyDict::new(py);
+                match &s.key {
+                    SampleKey::Index(i) => d.set_item("sample", *i)?,
+                    SampleKey::Request(_) => d.set_item("sample", py.None())?,
+                }
+                d.set_item("request_id", &s.req_id)?;
+                d.set_item("token_ids", &s.token_ids)?;
+                d.set_item("shape", s.shape().to_vec())?;
+                d.set_item("dtype", s.dtype.torch_name())?;
+                d.set_item("data", PyBytes::new(py, &s.data))?;
+                out.append(d)?;
             }
-            d.set_item("request_id", &s.req_id)?;
-            d.set_item("token_ids", &s.token_ids)?;
-            d.set_item("shape", s.shape().to_vec())?;
-            d.set_item("dtype", s.dtype.torch_name())?;
-            d.set_item("data", PyBytes::new(py, &s.data))?;
-            out.append(d)?;
-        }
-        Ok(out)
+            Ok(out)
+        })
     }
 
     /// Requests that ended before their prompt was complete: `(request_id, sample, captured, prompt_len)`.
-    fn take_aborted(&mut self) -> Vec<(String, String, usize, usize)> {
-        std::mem::take(&mut self.aborted)
+    fn take_aborted(&mut self) -> PyResult<Vec<(String, String, usize, usize)>> {
+        guard("take_aborted", || {
+            Ok(self.inner.take_aborted().into_iter().map(|a| (a.req_id, key_str(&a.sample), a.captured, a.prompt_len)).collect())
+        })
     }
 
     /// Records of files written so far (removed from the session).
     fn take_records<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let out = PyList::empty(py);
-        if let Some(w) = &self.writer {
-            w.poll()?;
-            for r in w.take_records() {
-                out.append(record_dict(py, &r)?)?;
-            }
-        }
-        Ok(out)
+        guard("take_records", || records(py, &self.inner.take_records()?))
     }
 
     /// Waits until every completed sample is written (the writer keeps running); returns the records
     /// not yet taken.
     fn drain<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        guard("drain", || self.take_outcome(py, Vec::new(), true).map(|_| ()))?;
-        if let Some(w) = self.writer.as_ref() {
-            py.detach(|| w.drain())?;
-        }
-        self.take_records(py)
-    }
-
-    /// Waits for the writer to finish every queued sample; returns the records not yet taken.
-    fn finish<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        // Even after an error, the writer is finished (its queue written, its threads joined); the first
-        // error is reported after that.
-        let first = guard("finish", || {
-            let r = self.take_outcome(py, Vec::new(), true).map(|_| ());
-            // The writer's threads stop only once the assembler's submitter is gone.
+        guard("drain", || {
             let inner = &mut self.inner;
-            let unset = py.detach(|| inner.set_sink(None)).map_err(PyErr::from);
-            r.and(unset)?;
-            self.take_outcome(py, Vec::new(), true).map(|_| ())
+            let rs = py.detach(|| inner.drain())?;
+            records(py, &rs)
         })
-        .err();
-        let finished = match self.writer.as_mut() {
-            Some(w) => py.detach(|| w.finish()).map_err(PyErr::from),
-            None => Ok(Vec::new()),
-        };
-        if let Some(e) = first {
-            return Err(e);
-        }
-        let recs = finished?;
-        let out = PyList::empty(py);
-        for r in &recs {
-            out.append(record_dict(py, r)?)?;
-        }
-        Ok(out)
     }
 
-    /// Running totals: steps, rows, samples, aborted, live_requests, held_bytes.
+    /// Finishes the writer (every queued sample written, its threads joined, even after an error,
+    /// which is raised after that); returns the records not yet taken.
+    fn finish<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        guard("finish", || {
+            let inner = &mut self.inner;
+            let rs = py.detach(|| inner.finish())?;
+            records(py, &rs)
+        })
+    }
+
+    /// Running totals: steps, rows, samples, aborted, skipped, live_requests, held_bytes.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats();
-        let d = PyDict::new(py);
-        d.set_item("steps", s.steps)?;
-        d.set_item("rows", s.rows)?;
-        d.set_item("samples", s.samples)?;
-        d.set_item("aborted", s.aborted)?;
-        d.set_item("skipped", s.skipped)?;
-        d.set_item("live_requests", self.inner.tracker().live_requests())?;
-        d.set_item("held_bytes", self.inner.held_bytes())?;
-        Ok(d)
+        guard("stats", || {
+            let s = self.inner.session();
+            let st = s.stats();
+            let d = PyDict::new(py);
+            d.set_item("steps", st.steps)?;
+            d.set_item("rows", st.rows)?;
+            d.set_item("samples", st.samples)?;
+            d.set_item("aborted", st.aborted)?;
+            d.set_item("skipped", st.skipped)?;
+            d.set_item("live_requests", s.tracker().live_requests())?;
+            d.set_item("held_bytes", s.held_bytes())?;
+            Ok(d)
+        })
     }
 }

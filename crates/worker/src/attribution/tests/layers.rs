@@ -38,7 +38,12 @@ fn conventions_are_one_apart() {
 
 #[test]
 fn defaults() {
-    assert_eq!(default_ids(Convention::After, 32), vec![2, 16, 29, 31]);
-    assert_eq!(default_ids(Convention::Before, 32), vec![2, 16, 29, 32]);
-    assert_eq!(default_ids(Convention::Before, 4), vec![1, 2, 4]);
+    assert_eq!(default_ids(Convention::After, 32).unwrap(), vec![2, 16, 29, 31]);
+    assert_eq!(default_ids(Convention::Before, 32).unwrap(), vec![2, 16, 29, 32]);
+    assert_eq!(default_ids(Convention::Before, 4).unwrap(), vec![1, 2, 4]);
+    assert_eq!(default_ids(Convention::After, 1).unwrap(), vec![0]);
+    for c in [Convention::After, Convention::Before] {
+        let e = default_ids(c, 0).unwrap_err();
+        assert_eq!(e.kind, crate::ErrorKind::Config, "no wrapped-around ids for a model without layers");
+    }
 }

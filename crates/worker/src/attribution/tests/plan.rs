@@ -6,6 +6,7 @@ fn new(id: &str, len: usize, computed: usize, sample: Option<u64>) -> NewRequest
         prompt_token_ids: (0..len as i64).map(|x| 100 + x).collect(),
         num_computed_tokens: computed,
         sample,
+        loss_mask: None,
     }
 }
 
@@ -35,7 +36,7 @@ fn ids(v: &[&str]) -> Vec<String> {
 fn completed(ev: &[Event]) -> Vec<(String, SampleKey, usize)> {
     ev.iter()
         .filter_map(|e| match e {
-            Event::Completed { req_id, sample, token_ids } => Some((req_id.clone(), sample.clone(), token_ids.len())),
+            Event::Completed { req_id, sample, token_ids, .. } => Some((req_id.clone(), sample.clone(), token_ids.len())),
             _ => None,
         })
         .collect()

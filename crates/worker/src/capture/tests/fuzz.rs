@@ -96,7 +96,7 @@ proptest! {
                 if reqs[r].announced {
                     cached.push(CachedRequest { req_id: id.clone(), num_computed_tokens: start, resumed: false });
                 } else {
-                    new_requests.push(NewRequest { req_id: id.clone(), prompt_token_ids: (0..reqs[r].len as i64).collect(), num_computed_tokens: 0, sample: Some(r as u64) });
+                    new_requests.push(NewRequest { req_id: id.clone(), prompt_token_ids: (0..reqs[r].len as i64).collect(), num_computed_tokens: 0, sample: Some(r as u64), loss_mask: None });
                     reqs[r].announced = true;
                 }
                 let n = if start >= reqs[r].len { 1 } else { k.min(reqs[r].len - start) };

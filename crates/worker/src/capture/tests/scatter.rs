@@ -23,7 +23,7 @@ fn step(n: usize, len: usize) -> (Arena, ScatterJob) {
         let id = format!("r{r}");
         job.segments.push(Segment { req_id: id.clone(), sample: SampleKey::Index(r as u64), prompt_len, src_row: r * len, arena_row: r * len, dst_pos: 0, len });
         if r % 2 == 0 {
-            job.completions.push(Completion { req_id: id, sample: SampleKey::Index(r as u64), token_ids: vec![0; len] });
+            job.completions.push(Completion { req_id: id, sample: SampleKey::Index(r as u64), token_ids: vec![0; len], loss_mask: None });
         }
     }
     job.completions.reverse(); // an order the segments do not have
@@ -81,7 +81,7 @@ fn a_request_whose_earlier_rows_were_lost_is_refused_before_anything_is_copied()
     let last = ScatterJob {
         step: 3,
         segments: vec![seg(4)],
-        completions: vec![Completion { req_id: "a".into(), sample: SampleKey::Index(0), token_ids: vec![0; 6] }],
+        completions: vec![Completion { req_id: "a".into(), sample: SampleKey::Index(0), token_ids: vec![0; 6], loss_mask: None }],
         ..Default::default()
     };
     let e = s.run(last.clone(), &rows, None).unwrap_err();
@@ -95,7 +95,7 @@ fn a_request_whose_earlier_rows_were_lost_is_refused_before_anything_is_copied()
     let short = ScatterJob {
         step: 4,
         segments: vec![seg(0)],
-        completions: vec![Completion { req_id: "a".into(), sample: SampleKey::Index(0), token_ids: vec![0; 6] }],
+        completions: vec![Completion { req_id: "a".into(), sample: SampleKey::Index(0), token_ids: vec![0; 6], loss_mask: None }],
         ..Default::default()
     };
     assert!(s.run(short, &rows, None).unwrap_err().message.contains("completed with 2 of its 6 prompt rows"));

@@ -41,7 +41,7 @@ pub(super) fn run_step(s: &mut Session, input: StepInput, order: &[&str], layers
 }
 
 pub(super) fn req(id: &str, len: usize, sample: u64) -> NewRequest {
-    NewRequest { req_id: id.into(), prompt_token_ids: (0..len as i64).collect(), num_computed_tokens: 0, sample: Some(sample) }
+    NewRequest { req_id: id.into(), prompt_token_ids: (0..len as i64).collect(), num_computed_tokens: 0, sample: Some(sample), loss_mask: None }
 }
 
 pub(super) fn input(new: Vec<NewRequest>, cached: Vec<CachedRequest>, sched: &[(&str, usize)]) -> StepInput {

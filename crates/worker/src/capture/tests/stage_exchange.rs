@@ -28,7 +28,7 @@ fn desc(v: &[f32], rows: usize) -> TensorDesc {
 }
 
 fn step_input(step: usize) -> StepInput {
-    let new = vec![NewRequest { req_id: format!("r{step}"), prompt_token_ids: vec![3; 5], num_computed_tokens: 0, sample: Some(step as u64) }];
+    let new = vec![NewRequest { req_id: format!("r{step}"), prompt_token_ids: vec![3; 5], num_computed_tokens: 0, sample: Some(step as u64), loss_mask: None }];
     StepInput { new_requests: new, num_scheduled: vec![(format!("r{step}"), 5)], total_tokens: 5, ..Default::default() }
 }
 

@@ -5,8 +5,10 @@ use std::path::Path;
 fn file_appears_whole_and_leftovers_are_removed() {
     let d = tempfile::tempdir().unwrap();
     let p = d.path().join("x.bin");
-    assert_eq!(write_atomic(&p, true, |w| w.write_all(b"hello")).unwrap(), 5);
+    let written = write_atomic(&p, true, |w| w.write_all(b"hello")).unwrap();
+    assert_eq!(written.bytes, 5);
     assert_eq!(fs::read(&p).unwrap(), b"hello");
+    assert_eq!(written.checksum, crate::output::record::file_checksum(b"hello"), "the checksum is of the bytes written");
     let e = write_atomic(&d.path().join("y.bin"), false, |w| {
         w.write_all(b"partial")?;
         Err(std::io::Error::other("boom"))
@@ -40,4 +42,12 @@ fn a_file_that_cannot_be_written_on_dev_full_reports_enospc() {
     let mut f = fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
     let e = std::io::Write::write_all(&mut f, &[1u8; 8]).and_then(|_| std::io::Write::flush(&mut f)).unwrap_err();
     assert_eq!(e.raw_os_error(), Some(28));
+}
+
+#[test]
+fn a_directory_that_cannot_be_flushed_is_an_error() {
+    let e = sync_dir(Path::new("/nonexistent/hscapture")).unwrap_err();
+    assert_eq!(e.kind, crate::ErrorKind::Output);
+    assert!(e.message.contains("cannot open the directory"), "{e}");
+    assert!(is_partial(".hs_1.safetensors.partial-12-0") && !is_partial("hs_1.safetensors"));
 }

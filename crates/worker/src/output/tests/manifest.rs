@@ -9,6 +9,7 @@ fn round_trip_sorted() {
     let d = tempfile::tempdir().unwrap();
     let mut m = Manifest {
         format: FORMAT.into(),
+        sample_format: "hscapture".into(),
         model: "m".into(),
         layer_ids: vec![1, 3],
         convention: "after".into(),

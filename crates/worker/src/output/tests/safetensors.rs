@@ -1,5 +1,27 @@
 use super::*;
 use crate::attribution::plan::SampleKey;
+use crate::output::format::decode_file;
+use crate::output::record::file_checksum;
+use crate::output::sample::content_checksum;
+
+fn identity(convention: &str) -> Identity {
+    Identity {
+        format: "hscapture".into(),
+        model: "m".into(),
+        layer_ids: vec![1, 2, 3],
+        convention: convention.into(),
+        dtype: "bfloat16".into(),
+        hidden_size: 4,
+        num_hidden_layers: 4,
+    }
+}
+
+fn write(path: &std::path::Path, s: &Sample, convention: &str, compress: Option<i32>) -> u64 {
+    let parts = Safetensors { compress }.encode(s, &identity(convention)).unwrap();
+    let bytes = parts.concat();
+    std::fs::write(path, &bytes).unwrap();
+    bytes.len() as u64
+}
 
 #[test]
 fn round_trip() {
@@ -13,22 +35,25 @@ fn round_trip() {
         slots: 3,
         width: 4,
         dtype: DType::BF16,
+        loss_mask: None,
     };
     let p = d.path().join("hs_3.safetensors");
-    let meta = HashMap::from([("convention".to_string(), "after".to_string())]);
-    let n = write_sample_file(&p, &s, &meta, false).unwrap();
+    let n = write(&p, &s, "after", None);
     assert_eq!(n, std::fs::metadata(&p).unwrap().len());
-    let back = read_sample_file(&p).unwrap();
+    let back = crate::output::format::read_sample_file(&p).unwrap();
     assert_eq!(back.token_ids, vec![5, 6]);
-    assert_eq!(back.shape, vec![2, 3, 4]);
+    assert_eq!(back.shape, [2, 3, 4]);
     assert_eq!(back.dtype, DType::BF16);
     assert_eq!(back.data, s.data);
-    assert_eq!(back.checksum, content_checksum(&s.data));
+    assert_eq!(content_checksum(&back.data), content_checksum(&s.data));
+    assert_eq!(back.checksum, file_checksum(&std::fs::read(&p).unwrap()), "the checksum is the whole file's");
     assert_eq!(back.metadata.get("convention").map(String::as_str), Some("after"));
+    let id: Identity = serde_json::from_str(&back.metadata[META_IDENTITY]).unwrap();
+    assert_eq!(id, identity("after"), "each file carries its capture's identity");
     // A truncated file is reported as such.
     let bytes = std::fs::read(&p).unwrap();
     std::fs::write(&p, &bytes[..bytes.len() - 3]).unwrap();
-    assert!(read_sample_file(&p).unwrap_err().message.contains("truncated"));
+    assert!(crate::output::format::read_sample_file(&p).unwrap_err().message.contains("truncated"));
 }
 
 #[test]
@@ -44,17 +69,48 @@ fn compressed_files_read_back_exactly_and_are_still_safetensors() {
         slots: 3,
         width: 16,
         dtype: DType::BF16,
+        loss_mask: None,
     };
     let (plain, packed) = (d.path().join("a.safetensors"), d.path().join("b.safetensors"));
-    let meta = HashMap::from([("convention".to_string(), "before".to_string())]);
-    let n_plain = write_sample_file(&plain, &s, &meta, false).unwrap();
-    let n_packed = write_sample_file_with(&packed, &s, &meta, false, Some(3)).unwrap();
+    let n_plain = write(&plain, &s, "before", None);
+    let n_packed = write(&packed, &s, "before", Some(3));
     assert!(n_packed < n_plain, "{n_packed} >= {n_plain}");
-    let (a, b) = (read_sample_file(&plain).unwrap(), read_sample_file(&packed).unwrap());
-    assert_eq!((a.data, a.shape, a.dtype, a.token_ids, a.checksum), (b.data, b.shape, b.dtype, b.token_ids, b.checksum));
+    let (a, b) = (decode_file(&plain, &std::fs::read(&plain).unwrap()).unwrap(), decode_file(&packed, &std::fs::read(&packed).unwrap()).unwrap());
+    assert_eq!((a.data, a.shape, a.dtype, a.token_ids), (b.data, b.shape, b.dtype, b.token_ids));
     assert_eq!(b.metadata.get("convention").map(String::as_str), Some("before"));
     // Any safetensors reader opens it: the states are one U8 tensor beside `token_ids`.
     let bytes = std::fs::read(&packed).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     assert_eq!(st.tensor(COMPRESSED).unwrap().dtype(), Dtype::U8);
+}
+
+/// A file's bytes with its header's `hscapture.shape` replaced, as a damaged file would carry it.
+fn with_shape(file: &[u8], shape: &str) -> Vec<u8> {
+    let n = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+    let mut head: serde_json::Value = serde_json::from_slice(&file[8..8 + n]).unwrap();
+    head["__metadata__"]["hscapture.shape"] = serde_json::Value::String(shape.into());
+    let mut h = serde_json::to_vec(&head).unwrap();
+    h.resize(h.len().next_multiple_of(8), b' ');
+    [(h.len() as u64).to_le_bytes().to_vec(), h, file[8 + n..].to_vec()].concat()
+}
+
+#[test]
+fn a_compressed_shape_that_overflows_is_an_error_not_an_allocation() {
+    let s = Sample {
+        key: SampleKey::Index(0),
+        req_id: "r".into(),
+        token_ids: vec![1],
+        data: vec![0; 8],
+        rows: 1,
+        slots: 1,
+        width: 4,
+        dtype: DType::BF16,
+        loss_mask: None,
+    };
+    let file = Safetensors { compress: Some(1) }.encode(&s, &identity("after")).unwrap().concat();
+    assert!(Safetensors { compress: None }.decode(&file, "t").is_ok());
+    let e = Safetensors { compress: None }.decode(&with_shape(&file, &format!("1,{},3", usize::MAX / 2)), "t").unwrap_err();
+    assert!(e.message.contains("overflow"), "{e}");
+    let e = Safetensors { compress: None }.decode(&with_shape(&file, "1,1000,1000"), "t").unwrap_err();
+    assert!(e.message.contains("the file is damaged"), "{e}");
 }

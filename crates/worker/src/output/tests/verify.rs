@@ -1,9 +1,21 @@
 use super::*;
-use crate::output::manifest::FORMAT;
 use crate::attribution::plan::SampleKey;
-use crate::output::safetensors::write_sample_file;
-use crate::output::sample::{content_checksum, Sample};
-use std::collections::HashMap;
+use crate::output::manifest::FORMAT;
+use crate::output::record::Identity;
+use crate::output::sample::Sample;
+use crate::output::sink::{FileSink, Sink};
+
+fn identity() -> Identity {
+    Identity {
+        format: "hscapture".into(),
+        model: "m".into(),
+        layer_ids: vec![3],
+        convention: "after".into(),
+        dtype: "float32".into(),
+        hidden_size: 2,
+        num_hidden_layers: 4,
+    }
+}
 
 fn write(root: &Path, i: u64, vals: &[f32]) -> SampleRecord {
     let s = Sample {
@@ -15,22 +27,23 @@ fn write(root: &Path, i: u64, vals: &[f32]) -> SampleRecord {
         slots: 1,
         width: 2,
         dtype: DType::F32,
+        loss_mask: None,
     };
-    std::fs::create_dir_all(root.join("hidden_states")).unwrap();
-    let file = format!("hidden_states/hs_{i}.safetensors");
-    let bytes = write_sample_file(&root.join(&file), &s, &HashMap::new(), false).unwrap();
-    SampleRecord { index: Some(i), request_id: None, file, length: 2, checksum: content_checksum(&s.data), bytes }
+    let sink = FileSink::open(root, by_name("hscapture", None).unwrap(), identity(), false).unwrap();
+    sink.put(&s).unwrap()
 }
 
 fn manifest(root: &Path, samples: Vec<SampleRecord>) {
+    let id = identity();
     let mut m = Manifest {
         format: FORMAT.into(),
-        model: "m".into(),
-        layer_ids: vec![3],
-        convention: "after".into(),
-        dtype: "float32".into(),
-        hidden_size: 2,
-        num_hidden_layers: 4,
+        sample_format: id.format,
+        model: id.model,
+        layer_ids: id.layer_ids,
+        convention: id.convention,
+        dtype: id.dtype,
+        hidden_size: id.hidden_size,
+        num_hidden_layers: id.num_hidden_layers,
         tensor_parallel_size: 1,
         created_by: Default::default(),
         samples,
@@ -63,15 +76,19 @@ fn a_good_directory_verifies_and_damage_is_named() {
 }
 
 #[test]
-fn finished_files_are_found_without_a_manifest() {
+fn every_byte_of_a_file_is_covered_by_its_checksum() {
     let d = tempfile::tempdir().unwrap();
-    let a = write(d.path(), 4, &[1.0, 2.0, 3.0, 4.0]);
-    std::fs::write(d.path().join("hidden_states/hs_5.safetensors"), b"garbage").unwrap();
-    let (found, skipped) = scan_finished(d.path()).unwrap();
-    assert_eq!(found.keys().copied().collect::<Vec<_>>(), vec![4]);
-    assert_eq!(found[&4].0, a);
-    assert_eq!(found[&4].1, vec![1, 2]);
-    assert_eq!(skipped.len(), 1);
-    assert_eq!(index_of("hs_12.safetensors"), Some(12));
-    assert_eq!(index_of("hs_req-x.safetensors"), None);
+    let root = d.path();
+    let a = write(root, 0, &[1.0, 2.0, 3.0, 4.0]);
+    manifest(root, vec![a.clone()]);
+    let p = root.join(&a.file);
+    let good = std::fs::read(&p).unwrap();
+    // A token id's byte (just before the states) and a state's exponent bit: both found.
+    for at in [good.len() - 16 - 1, good.len() - 2] {
+        let mut b = good.clone();
+        b[at] ^= 0x40;
+        std::fs::write(&p, &b).unwrap();
+        let rep = verify_dir(root).unwrap();
+        assert!(rep.problems.iter().any(|x| x.contains("the file changed after it was written")), "byte {at}: {:?}", rep.problems);
+    }
 }

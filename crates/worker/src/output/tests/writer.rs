@@ -1,4 +1,9 @@
 use super::*;
+use crate::attribution::plan::SampleKey;
+use crate::output::format::by_name;
+use crate::output::journal;
+use crate::output::record::Identity;
+use crate::output::sink::FileSink;
 use hscapture_kernels::DType;
 
 fn sample(i: u64) -> Sample {
@@ -11,14 +16,31 @@ fn sample(i: u64) -> Sample {
         slots: 2,
         width: 4,
         dtype: DType::F32,
+        loss_mask: None,
     }
+}
+
+fn identity() -> Identity {
+    Identity {
+        format: "hscapture".into(),
+        model: "m".into(),
+        layer_ids: vec![1, 2],
+        convention: "after".into(),
+        dtype: "float32".into(),
+        hidden_size: 4,
+        num_hidden_layers: 4,
+    }
+}
+
+fn writer(root: &std::path::Path, threads: usize, queue: usize) -> Writer {
+    let sink = Arc::new(FileSink::open(root, by_name("hscapture", None).unwrap(), identity(), false).unwrap());
+    Writer::start(sink, WriterConfig { threads, queue, pool: None }, Failure::new()).unwrap()
 }
 
 #[test]
 fn writes_every_sample_once() {
     let d = tempfile::tempdir().unwrap();
-    let cfg = WriterConfig { root: d.path().into(), threads: 3, queue: 2, durable: false, metadata: HashMap::new(), pool: None, compress: None };
-    let mut w = Writer::start(cfg).unwrap();
+    let mut w = writer(d.path(), 3, 2);
     for i in 0..10 {
         w.submit(sample(i)).unwrap();
     }
@@ -34,31 +56,30 @@ fn writes_every_sample_once() {
     assert_eq!(recs[7].file, "hidden_states/hs_7.safetensors");
     let names = std::fs::read_dir(d.path().join("hidden_states")).unwrap().count();
     assert_eq!(names, 20, "exactly the finished files, no partial ones");
-    // The journal holds one whole line per finished file, equal to its record.
-    let journal = std::fs::read_to_string(d.path().join(JOURNAL)).unwrap();
-    let mut lines: Vec<SampleRecord> = journal.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    lines.sort_by_key(|r| r.index);
-    assert_eq!(lines, recs);
+    // The journal holds the capture's identity, then one whole line per finished file, equal to its record.
+    let mut j = journal::read(d.path()).unwrap();
+    assert_eq!(j.identity, Some(identity()));
+    assert!(j.damaged.is_empty());
+    j.records.sort_by_key(|r| r.index);
+    assert_eq!(j.records, recs);
 }
 
 #[test]
 fn a_failed_write_is_reported() {
     let d = tempfile::tempdir().unwrap();
-    let cfg = WriterConfig { root: d.path().into(), threads: 1, queue: 1, durable: false, metadata: HashMap::new(), pool: None, compress: None };
-    let mut w = Writer::start(cfg).unwrap();
+    let mut w = writer(d.path(), 1, 1);
     let mut bad = sample(1);
     bad.rows = 5; // does not match its data
     w.submit(bad).unwrap();
     let e = w.finish().unwrap_err();
     assert_eq!(e.kind, crate::ErrorKind::ShapeContract);
-    assert!(!d.path().join(JOURNAL).exists(), "a failed sample never reaches the journal");
+    assert!(journal::read(d.path()).unwrap().records.is_empty(), "a failed sample never reaches the journal");
 }
 
 #[test]
 fn a_submitter_on_another_thread_counts_for_drain_and_finish() {
     let d = tempfile::tempdir().unwrap();
-    let cfg = WriterConfig { root: d.path().into(), threads: 2, queue: 1, durable: false, metadata: HashMap::new(), pool: None, compress: None };
-    let mut w = Writer::start(cfg).unwrap();
+    let mut w = writer(d.path(), 2, 1);
     let sub = w.submitter().unwrap();
     let t = std::thread::spawn(move || {
         for i in 0..6 {
@@ -77,8 +98,7 @@ fn a_submitter_on_another_thread_counts_for_drain_and_finish() {
 #[test]
 fn try_submit_gives_a_sample_back_when_the_queue_is_full_and_loses_nothing() {
     let d = tempfile::tempdir().unwrap();
-    let cfg = WriterConfig { root: d.path().into(), threads: 1, queue: 1, durable: false, metadata: HashMap::new(), pool: None, compress: None };
-    let mut w = Writer::start(cfg).unwrap();
+    let mut w = writer(d.path(), 1, 1);
     let sub = w.submitter().unwrap();
     let mut given_back = 0;
     for i in 0..200 {

@@ -1,0 +1,90 @@
+use super::*;
+use crate::attribution::plan::SampleKey;
+use crate::output::record::Identity;
+use crate::output::sample::Sample;
+use crate::output::sink::{FileSink, Sink};
+use hscapture_kernels::DType;
+
+fn identity(layers: Vec<usize>) -> Identity {
+    Identity {
+        format: "hscapture".into(),
+        model: "m".into(),
+        layer_ids: layers.clone(),
+        convention: "after".into(),
+        dtype: "float32".into(),
+        hidden_size: 2,
+        num_hidden_layers: 4,
+    }
+}
+
+fn sample(i: u64, slots: usize) -> Sample {
+    Sample {
+        key: SampleKey::Index(i),
+        req_id: format!("r{i}"),
+        token_ids: vec![i as i64, 9],
+        data: (0..2 * slots * 2).flat_map(|v| (v as f32 + i as f32).to_le_bytes()).collect(),
+        rows: 2,
+        slots,
+        width: 2,
+        dtype: DType::F32,
+        loss_mask: None,
+    }
+}
+
+#[test]
+fn a_resume_keeps_only_files_its_ledger_vouches_for() {
+    let d = tempfile::tempdir().unwrap();
+    let root = d.path();
+    let id = identity(vec![3]);
+    let sink = FileSink::open(root, by_name("hscapture", None).unwrap(), id.clone(), false).unwrap();
+    for i in 0..4 {
+        sink.put(&sample(i, 1)).unwrap();
+    }
+    drop(sink);
+    // Sample 1: one bit flipped in its states; sample 2: written but its journal line lost.
+    let p1 = root.join("hidden_states/hs_1.safetensors");
+    let mut b = std::fs::read(&p1).unwrap();
+    let n = b.len();
+    b[n - 3] ^= 0x40;
+    std::fs::write(&p1, b).unwrap();
+    let journal = std::fs::read_to_string(root.join(journal::FILE)).unwrap();
+    let kept_lines: Vec<&str> = journal.lines().filter(|l| !l.contains("hs_2.")).collect();
+    std::fs::write(root.join(journal::FILE), kept_lines.join("\n") + "\n").unwrap();
+    let plan = plan(root, &id).unwrap();
+    assert_eq!(plan.kept.keys().copied().collect::<Vec<_>>(), vec![0, 3]);
+    assert_eq!(plan.kept[&3].token_ids, vec![3, 9]);
+    let why = plan.recapture.join("\n");
+    assert!(why.contains("sample 1") && why.contains("the file changed after it was written"), "{why}");
+    assert!(why.contains("sample 2") && why.contains("no record of it was written"), "{why}");
+}
+
+#[test]
+fn a_resume_with_other_settings_is_refused_naming_what_differs() {
+    let d = tempfile::tempdir().unwrap();
+    let id = identity(vec![3]);
+    let sink = FileSink::open(d.path(), by_name("hscapture", None).unwrap(), id.clone(), false).unwrap();
+    sink.put(&sample(0, 1)).unwrap();
+    drop(sink);
+    let e = plan(d.path(), &identity(vec![1, 3])).unwrap_err();
+    assert_eq!(e.kind, crate::ErrorKind::Config);
+    assert!(e.message.contains("layer ids: [3] vs [1, 3]"), "{e}");
+    // A writer of other settings refuses the journal too, before writing anything.
+    let other = FileSink::open(d.path(), by_name("hscapture", None).unwrap(), identity(vec![1, 3]), false);
+    assert!(other.is_err());
+    // The stored dtype may be left to vLLM: "auto" is checked by the workers instead.
+    let auto = Identity { dtype: "auto".into(), ..id };
+    assert_eq!(plan(d.path(), &auto).unwrap().kept.len(), 1);
+}
+
+#[test]
+fn files_without_any_ledger_are_all_captured_again() {
+    let d = tempfile::tempdir().unwrap();
+    let id = identity(vec![3]);
+    let sink = FileSink::open(d.path(), by_name("hscapture", None).unwrap(), id.clone(), false).unwrap();
+    sink.put(&sample(5, 1)).unwrap();
+    drop(sink);
+    std::fs::remove_file(d.path().join(journal::FILE)).unwrap();
+    let plan = plan(d.path(), &id).unwrap();
+    assert!(plan.kept.is_empty());
+    assert!(plan.recapture.join("\n").contains("sample 5"), "{:?}", plan.recapture);
+}

@@ -1,0 +1,70 @@
+use super::*;
+use crate::attribution::layers::{Convention, LayerPlan};
+use crate::attribution::plan::NewRequest;
+use crate::capture::tensor::Device;
+use hscapture_kernels::DType;
+
+fn cfg(assemble: bool) -> SessionConfig {
+    SessionConfig { layers: LayerPlan::new(&[1], Convention::After, 4).unwrap(), hidden_size: 2, model_dtype: DType::F32, out_dtype: DType::F32, assemble }
+}
+
+fn out(root: Option<PathBuf>) -> OutputSettings {
+    OutputSettings { root, format: "hscapture".into(), compress: None, model: "m".into(), threads: 2, queue: 2, durable: false }
+}
+
+fn step(w: &mut WorkerSession, i: u64) -> Vec<StepReport> {
+    let id = format!("r{i}");
+    let input = StepInput {
+        new_requests: vec![NewRequest { req_id: id.clone(), prompt_token_ids: vec![1, 2, 3], num_computed_tokens: 0, sample: Some(i), loss_mask: None }],
+        num_scheduled: vec![(id.clone(), 3)],
+        total_tokens: 3,
+        ..Default::default()
+    };
+    w.begin_step(input).unwrap();
+    w.plan(&[id]).unwrap();
+    let h = vec![0.5f32; 6];
+    let t = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![3, 2], strides: vec![2, 1], dtype: DType::F32, device: Device::Cpu };
+    // SAFETY: `h` lives for the call and nobody writes it.
+    unsafe { w.capture(0, &t, None, 0).unwrap() };
+    w.end_step().unwrap()
+}
+
+#[test]
+fn samples_go_to_files_or_memory_and_the_writer_finishes() {
+    let d = tempfile::tempdir().unwrap();
+    for background in [false, true] {
+        let root = d.path().join(format!("bg{background}"));
+        let mut w = WorkerSession::new(cfg(true), out(Some(root.clone()))).unwrap();
+        if background {
+            w.set_background(2).unwrap();
+        }
+        let r = step(&mut w, 0);
+        assert_eq!((r.len(), r[0].rows), (1, 3));
+        step(&mut w, 1);
+        let mut recs = w.drain().unwrap();
+        recs.extend(w.finish().unwrap());
+        assert_eq!(recs.len(), 2, "background {background}");
+        assert!(root.join("hidden_states/hs_1.safetensors").exists());
+    }
+    let mut mem = WorkerSession::new(cfg(true), out(None)).unwrap();
+    step(&mut mem, 4);
+    assert_eq!(mem.take_samples().unwrap().len(), 1);
+    let mut verifier = WorkerSession::new(cfg(false), out(Some(d.path().join("nothing")))).unwrap();
+    assert_eq!(step(&mut verifier, 0)[0].completed, 0, "a verifying rank keeps no sample");
+    assert!(!d.path().join("nothing").exists(), "and opens no output");
+}
+
+#[test]
+fn settings_out_of_range_are_refused_before_anything_starts() {
+    let d = tempfile::tempdir().unwrap();
+    let bad = |f: fn(&mut OutputSettings)| {
+        let mut o = out(Some(d.path().into()));
+        f(&mut o);
+        WorkerSession::new(cfg(true), o).err().map(|e| e.message).unwrap_or_default()
+    };
+    assert!(bad(|o| o.threads = 0).contains("writer threads"));
+    assert!(bad(|o| o.queue = 0).contains("writer queue"));
+    assert!(bad(|o| o.compress = Some(23)).contains("zstd takes 1..=22"));
+    assert!(bad(|o| o.format = "parquet".into()).contains("unknown format"));
+    assert!(!d.path().join(crate::output::journal::FILE).exists(), "no journal for a refused session");
+}

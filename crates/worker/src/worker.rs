@@ -1,0 +1,231 @@
+//! One worker's capture: the step protocol ([`Session`]) feeding the output — files written by the
+//! writer's threads into a format's sink, or samples kept in memory for the caller (the speculators
+//! RPC surface), or nothing on a rank that only verifies. The session, its assembler thread and the
+//! writer share one [`Failure`]: the first failure anywhere refuses every later call.
+//!
+//! Shutdown order: the assembler thread hands its last samples over and drops its submitter before
+//! the writer finishes (the writer's threads stop only once every submitter is gone).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use crate::attribution::plan::StepInput;
+use crate::capture::device::DeviceBackend;
+use crate::capture::session::{Aborted, Session, SessionConfig, StepOutcome};
+use crate::capture::tensor::TensorDesc;
+use crate::failure::Failure;
+use crate::output::format::by_name;
+use crate::output::record::{Identity, SampleRecord};
+use crate::output::sample::Sample;
+use crate::output::sink::FileSink;
+use crate::output::writer::{Writer, WriterConfig};
+use crate::{ensure, error::CoreResult};
+
+/// Where and how a worker's samples are stored.
+#[derive(Clone, Debug)]
+pub struct OutputSettings {
+    /// The output root; None keeps completed samples in memory (`take_samples`).
+    pub root: Option<PathBuf>,
+    /// The sample format (`format.rs`).
+    pub format: String,
+    /// zstd level of the `hscapture` format's compression.
+    pub compress: Option<i32>,
+    /// The model as the capture's identity names it.
+    pub model: String,
+    pub threads: usize,
+    pub queue: usize,
+    /// fsync every file and its directory before it counts as written.
+    pub durable: bool,
+}
+
+/// What a step's accounting reports to the caller.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepReport {
+    pub step: u64,
+    pub checksum: u64,
+    pub rows: usize,
+    /// Samples this step completed.
+    pub completed: usize,
+}
+
+enum Output {
+    /// This rank checks and checksums only.
+    Nothing,
+    Memory(Vec<Sample>),
+    Files(Writer),
+}
+
+pub struct WorkerSession {
+    session: Session,
+    output: Output,
+    aborted: Vec<Aborted>,
+}
+
+/// The identity of a capture of `cfg` stored as `out` says.
+pub fn identity(cfg: &SessionConfig, out: &OutputSettings) -> Identity {
+    Identity {
+        format: out.format.clone(),
+        model: out.model.clone(),
+        layer_ids: cfg.layers.ids.clone(),
+        convention: cfg.layers.convention.name().into(),
+        dtype: cfg.out_dtype.torch_name().into(),
+        hidden_size: cfg.hidden_size,
+        num_hidden_layers: cfg.layers.num_hidden_layers,
+    }
+}
+
+impl WorkerSession {
+    /// A session; on the assembling rank with a root, its writer opens the output (the journal must be
+    /// this capture's, see `journal.rs`).
+    pub fn new(cfg: SessionConfig, out: OutputSettings) -> CoreResult<WorkerSession> {
+        ensure!(out.threads > 0, Config, "writer threads: expected at least 1, found 0");
+        ensure!(out.queue > 0, Config, "writer queue: expected at least 1 sample, found 0");
+        let format = by_name(&out.format, out.compress)?;
+        let failure = Failure::new();
+        let id = identity(&cfg, &out);
+        let assemble = cfg.assemble;
+        let session = Session::with_failure(cfg, failure.clone())?;
+        let output = match (assemble, &out.root) {
+            (false, _) => Output::Nothing,
+            (true, None) => Output::Memory(Vec::new()),
+            (true, Some(root)) => {
+                let sink = Arc::new(FileSink::open(root, format, id, out.durable)?);
+                let wcfg = WriterConfig { threads: out.threads, queue: out.queue, pool: Some(session.pool()) };
+                Output::Files(Writer::start(sink, wcfg, failure)?)
+            }
+        };
+        Ok(WorkerSession { session, output, aborted: Vec::new() })
+    }
+
+    pub fn session(&self) -> &Session {
+        &self.session
+    }
+
+    pub fn session_mut(&mut self) -> &mut Session {
+        &mut self.session
+    }
+
+    /// Scatters rows on the assembler thread (a ring of `ring` step buffers); its completed samples go
+    /// straight to the writer. Only before the first step.
+    pub fn set_background(&mut self, ring: usize) -> CoreResult<()> {
+        self.session.set_background(ring)?;
+        let sink = match &self.output {
+            Output::Files(w) => w.submitter(),
+            _ => None,
+        };
+        self.session.set_sink(sink)
+    }
+
+    /// Captures device tensors through `device` from now on (see [`Session::set_device`]).
+    pub fn set_device(&mut self, device: Box<dyn DeviceBackend>, overlap: bool) -> CoreResult<()> {
+        self.session.set_device(device, overlap)
+    }
+
+    /// Hands the samples of `outs` and those the assembler thread completed (all of them, waiting,
+    /// with `fence`) to the output.
+    fn route(&mut self, outs: Vec<StepOutcome>, fence: bool) -> CoreResult<Vec<StepReport>> {
+        let mut ready = self.session.take_ready(fence)?;
+        let mut reports = Vec::with_capacity(outs.len());
+        for mut out in outs {
+            reports.push(StepReport { step: out.step, checksum: out.checksum, rows: out.rows, completed: out.completed.len() });
+            ready.append(&mut out.completed);
+            self.aborted.append(&mut out.aborted);
+        }
+        match &mut self.output {
+            Output::Files(w) => ready.into_iter().try_for_each(|s| w.submit(s))?,
+            Output::Memory(kept) => kept.extend(ready),
+            Output::Nothing => {}
+        }
+        Ok(reports)
+    }
+
+    /// See [`Session::begin_step`].
+    pub fn begin_step(&mut self, input: StepInput) -> CoreResult<Vec<StepReport>> {
+        let outs = self.session.begin_step(input)?;
+        self.route(outs, false)
+    }
+
+    /// See [`Session::plan`]; returns the step's prompt rows.
+    pub fn plan(&mut self, order: &[String]) -> CoreResult<usize> {
+        self.session.plan(order).map(|p| p.arena_rows)
+    }
+
+    /// See [`Session::capture`].
+    ///
+    /// # Safety
+    /// As [`Session::capture`].
+    pub unsafe fn capture(&mut self, slot: usize, hidden: &TensorDesc, residual: Option<&TensorDesc>, stream: u64) -> CoreResult<()> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.session.capture(slot, hidden, residual, stream) }
+    }
+
+    /// See [`Session::end_step`].
+    pub fn end_step(&mut self) -> CoreResult<Vec<StepReport>> {
+        let outs = self.session.end_step()?;
+        self.route(outs, false)
+    }
+
+    /// Accounts every device step in flight and waits for the assembler thread.
+    pub fn flush(&mut self) -> CoreResult<Vec<StepReport>> {
+        let outs = self.session.flush()?;
+        self.route(outs, true)
+    }
+
+    /// Completed samples kept in memory (no output root), removed from the session.
+    pub fn take_samples(&mut self) -> CoreResult<Vec<Sample>> {
+        self.route(Vec::new(), true)?;
+        Ok(match &mut self.output {
+            Output::Memory(kept) => std::mem::take(kept),
+            _ => Vec::new(),
+        })
+    }
+
+    /// Requests that ended before their prompt was complete, since the last call.
+    pub fn take_aborted(&mut self) -> Vec<Aborted> {
+        std::mem::take(&mut self.aborted)
+    }
+
+    /// Records of the files written so far (removed from the writer).
+    pub fn take_records(&mut self) -> CoreResult<Vec<SampleRecord>> {
+        match &self.output {
+            Output::Files(w) => {
+                w.poll()?;
+                Ok(w.take_records())
+            }
+            _ => Ok(Vec::new()),
+        }
+    }
+
+    /// Waits until every completed sample is written (the writer keeps running).
+    pub fn drain(&mut self) -> CoreResult<Vec<SampleRecord>> {
+        self.route(Vec::new(), true)?;
+        if let Output::Files(w) = &self.output {
+            w.drain()?;
+        }
+        self.take_records()
+    }
+
+    /// Finishes the output: every queued sample written, the writer's threads joined — even after an
+    /// error, which is reported after that. Returns the records not yet taken.
+    pub fn finish(&mut self) -> CoreResult<Vec<SampleRecord>> {
+        let mut first = self.route(Vec::new(), true).err();
+        // Always: the writer's threads stop only once the assembler thread's submitter is gone.
+        let unset = self.session.set_sink(None).err();
+        first = first.or(unset);
+        if first.is_none() {
+            first = self.route(Vec::new(), true).err();
+        }
+        let finished = match &mut self.output {
+            Output::Files(w) => w.finish(),
+            _ => Ok(Vec::new()),
+        };
+        match first {
+            Some(e) => Err(e),
+            None => finished,
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "tests/worker.rs"]
+mod tests;

@@ -51,7 +51,7 @@ def main() -> int:
     ap.add_argument("--log", default="/tmp/research/issue6-run.txt")
     args = ap.parse_args()
 
-    from hscapture import tiny
+    from hscapture.testing import tiny
     from hscapture.cli.demo import cache_dir
 
     work = Path(args.work)

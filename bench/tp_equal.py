@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the model's dtype in vLLM")
     args = ap.parse_args()
     from hscapture import load_sample
-    from hscapture.compare import compare
+    from hscapture.testing.compare import compare
 
     out = Path(args.out)
     bad = []
@@ -91,7 +91,7 @@ def main() -> None:
                         for i in range(args.prompts)]
         import torch
 
-        from hscapture.compare import relative_errors
+        from hscapture.testing.compare import relative_errors
 
         errs = torch.cat([relative_errors(a["hidden_states"], b["hidden_states"]) for a, b in zip(runs[args.tp], runs[1])])
         for k in range(errs.shape[1]):

@@ -14,7 +14,7 @@ from support import cache_dir  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_model():
     """Builds (or reuses) a tiny model: ``tiny_model("llama")`` -> its directory."""
-    from hscapture import tiny
+    from hscapture.testing import tiny
 
     def get(kind: str, dtype: str = "bfloat16") -> str:
         import transformers

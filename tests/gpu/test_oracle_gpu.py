@@ -28,7 +28,7 @@ def test_gpu_capture_matches_transformers(tmp_path, tiny_model, monkeypatch, run
         extra = {"compilation_config": {"cudagraph_mode": "NONE"}}
     from hscapture import load_sample, reference
     from hscapture.cli.extract import ExtractOptions, run_extract
-    from hscapture.compare import compare
+    from hscapture.testing.compare import compare
 
     model = tiny_model("llama")
     rng = random.Random(3)

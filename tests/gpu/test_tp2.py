@@ -43,7 +43,7 @@ def device_env(monkeypatch):
 
 
 def test_tp2_equals_tp1(tmp_path, tiny_model, device_env):
-    from hscapture.compare import compare
+    from hscapture.testing.compare import compare
 
     model = tiny_model("llama")
     ps = _prompts()

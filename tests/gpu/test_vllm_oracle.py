@@ -44,7 +44,7 @@ def test_hscapture_equals_vllms_own_extraction(tmp_path, tiny_model, monkeypatch
 
     from hscapture import load_sample
     from hscapture.cli.extract import ExtractOptions, run_extract
-    from hscapture.compare import compare
+    from hscapture.testing.compare import compare
 
     model = tiny_model("llama")
     rng = random.Random(11)

@@ -26,14 +26,14 @@ def extract(tmp_path: Path, model: str, ps, *, tp: int, convention: str, layers,
 
 
 def reference(tmp_path: Path, model: str, ps, layer_ids, convention):
-    from hscapture import reference as ref
+    from hscapture.testing import reference as ref
 
     return ref.compute_subprocess(model, ps, list(layer_ids), convention, tmp_path / "ref")
 
 
 def assert_matches_reference(tmp_path: Path, model: str, ps, rep, samples, layers, convention: str) -> None:
     """Every prompt has its sample, of the right tokens and shape, equal to HF transformers' states."""
-    from hscapture.compare import compare
+    from hscapture.testing.compare import compare
 
     assert rep.samples == len(ps) and rep.tokens == sum(map(len, ps))
     for p, s in zip(ps, samples):

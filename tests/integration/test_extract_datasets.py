@@ -51,7 +51,7 @@ def test_the_documented_format(prepared):
     """formats.md: hidden_states [L, n_aux + 1, H] bf16, final layer last, token_ids == input_ids, all finite."""
     from safetensors.torch import load_file
 
-    from hscapture import reference
+    from hscapture.testing import reference
 
     model, d, ids, _, stdout = prepared
     assert f"samples     {ROWS}" in stdout and "checks      layer ids [1, 2, 4]" in stdout

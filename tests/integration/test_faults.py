@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers import TOL, extract, prompts, reference
 
-from hscapture.compare import compare
+from hscapture.testing.compare import compare
 
 pytestmark = pytest.mark.integration
 

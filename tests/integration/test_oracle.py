@@ -8,7 +8,7 @@ from helpers import TOL, assert_matches_reference, extract, prompts, reference
 
 from support import MOE_FLOAT32_REASON, moe_float32_runs
 
-from hscapture.compare import compare
+from hscapture.testing.compare import compare
 
 pytestmark = pytest.mark.integration
 

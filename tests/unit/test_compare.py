@@ -2,7 +2,7 @@
 
 import torch
 
-from hscapture.compare import compare
+from hscapture.testing.compare import compare
 
 
 def test_identical_passes_and_shifts_fail():

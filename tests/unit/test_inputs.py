@@ -38,7 +38,7 @@ def model_dir(tmp_path, tokenizer: bool):
     d.mkdir(exist_ok=True)
     (d / "config.json").write_text(json.dumps({"vocab_size": 1024, "num_hidden_layers": 4}))
     if tokenizer:
-        from hscapture import tiny
+        from hscapture.testing import tiny
 
         tiny._save_tokenizer(d)
     return d

@@ -5,9 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hscapture import CompatibilityError, _native
-from hscapture.capture import WorkerCapture
-from hscapture.config import CaptureConfig
+from hscapture import CompatibilityError, PeerFailedError
+from hscapture.ranksync import RankSync, path_code
 
 
 class PeersTP:
@@ -20,16 +19,22 @@ class PeersTP:
         return [v, *self.peers]
 
 
+class Rank:
+    """A rank on `path` (with `overlap`) whose group is `tp`."""
+
+    def __init__(self, tp, path, overlap=False):
+        self.sync, self.path, self.overlap = RankSync(tp), path, overlap
+
+    def _agree_on_path(self, failure=None):
+        self.sync.agree_on_path(self.path, self.overlap, failure)
+
+
 def capture(tp, path, overlap=False):
-    cap = object.__new__(WorkerCapture)
-    session = _native.CaptureSession([1], "after", 4, 8, "float32", "float32", assemble=True)
-    cap._init_state(CaptureConfig(layers=(1,), convention="after"), session, tp, SimpleNamespace(input_batch=SimpleNamespace(num_reqs=0, req_ids=[])), 0)
-    cap.device_path, cap._overlap = path, overlap
-    return cap
+    return Rank(tp, path, overlap)
 
 
 def code(path, overlap=False):
-    return WorkerCapture._PATHS.index(path) * 2 + int(overlap and path == "device")
+    return path_code(path, overlap)
 
 
 def test_ranks_on_the_same_path_agree():
@@ -53,5 +58,5 @@ def test_a_rank_whose_set_up_failed_still_meets_the_others():
     with pytest.raises(ConfigError, match="its own reason"):
         capture(tp, "failed")._agree_on_path(ConfigError("its own reason"))
     assert gathered == [code("failed")], "the failed rank took part in the gather"
-    with pytest.raises(CompatibilityError, match=r"rank\(s\) \[1\] could not set up their capture path"):
+    with pytest.raises(PeerFailedError, match=r"rank\(s\) \[1\] could not set up their capture path"):
         capture(PeersTP([code("failed")]), "device", True)._agree_on_path()

@@ -11,7 +11,9 @@ from test_session import H, new_req, rows_tagged, sched
 from hscapture import AttributionError, ConfigError, ShapeContractError, _native
 from hscapture.capture import WorkerCapture
 from hscapture.config import CaptureConfig
+from hscapture.ranksync import RankSync
 from hscapture.rpc import HiddenStatesRPC
+from hscapture.vllm_compat import RunnerOrder
 
 
 class Runner:
@@ -25,13 +27,12 @@ class Runner:
 class Worker(HiddenStatesRPC):
     """What vLLM's worker is to the extension: an object with the RPC methods and a capture."""
 
-    def __init__(self, layers=(1, 3)):
+    def __init__(self, layers=(1, 3), tp=None, rank=0, out=None):
         self.runner = Runner()
-        cap = object.__new__(WorkerCapture)
         session = _native.CaptureSession(list(layers), "after", 4, H, "float32", "float32", assemble=True)
-        cap._init_state(CaptureConfig(layers=tuple(layers), convention="after"), session,
-                        SimpleNamespace(size=1, rank=0), self.runner, 0)
-        self._hscapture = cap
+        cfg = CaptureConfig(layers=tuple(layers), convention="after", out=out)
+        sync = RankSync(tp or SimpleNamespace(size=1, rank=0), rank, out)
+        self._hscapture = WorkerCapture(cfg, session, sync, RunnerOrder(self.runner))
 
     def step(self, so, order, values=rows_tagged):
         cap = self._hscapture
@@ -39,7 +40,7 @@ class Worker(HiddenStatesRPC):
         cap.begin(so)
         for slot in range(len(cap.layer_ids)):
             h = values(slot, so.total_num_scheduled_tokens)
-            cap._on_capture(slot, h, torch.zeros_like(h))
+            cap.on_capture(slot, h, torch.zeros_like(h))
         cap.end()
 
 

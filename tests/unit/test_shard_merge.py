@@ -25,7 +25,7 @@ def make_shard(root, k, n, rows=ROWS, indices=None, fingerprint="xxh3:abc", dtyp
         s = _native.read_sample(str(f))
         records.append({"index": i, "file": f"hidden_states/hs_{i}.safetensors", "length": i + 1,
                         "checksum": s["checksum"], "bytes": f.stat().st_size})
-    m = {"format": "hscapture/1", "model": "/models/tiny", "layer_ids": [1, 3], "convention": "after", "dtype": dtype,
+    m = {"format": _native.MANIFEST_FORMAT, "model": "/models/tiny", "layer_ids": [1, 3], "convention": "after", "dtype": dtype,
          "hidden_size": H, "num_hidden_layers": 4, "tensor_parallel_size": 1, "created_by": {}, "samples": records}
     _native.write_manifest(str(root / "manifest.json"), json.dumps(m))
     ShardInfo(k, n, rows, "in.jsonl", fingerprint, fmt).write(root)
@@ -118,33 +118,42 @@ def test_merge_checks_file_sizes_against_the_manifest(tmp_path):
 
 
 def test_merge_legacy_shards(tmp_path):
-    from hscapture.cli import legacy
+    from types import SimpleNamespace
+
+    from hscapture import formats
+    from hscapture.vllm_compat import SAMPLE_KEY, step_args
 
     dirs = []
     for k in (0, 1):
         root = tmp_path / f"s{k}"
-        (root / legacy.STAGING / "hidden_states").mkdir(parents=True)
-        records = []
+        s = _native.CaptureSession([1, 3], "after", 4, H, "float32", "bfloat16", assemble=True, out_dir=str(root),
+                                   durable=False, format="legacy", model="/models/tiny")
         for i in range(k, ROWS, 2):
-            f = root / legacy.STAGING / "hidden_states" / f"hs_{i}.safetensors"
-            save_file({"hidden_states": torch.full((i + 1, 2, H), float(i)).to(torch.bfloat16),
-                       "token_ids": torch.arange(i + 1, dtype=torch.int64)}, str(f))
-            records.append(legacy.convert(f, root, i, None, durable=False))
+            r = SimpleNamespace(req_id=f"r{i}", prompt_token_ids=list(range(i + 1)), num_computed_tokens=0,
+                                sampling_params=SimpleNamespace(extra_args={SAMPLE_KEY: i}))
+            so = SimpleNamespace(scheduled_new_reqs=[r], num_scheduled_tokens={f"r{i}": i + 1}, total_num_scheduled_tokens=i + 1,
+                                 scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], resumed_req_ids=set()),
+                                 finished_req_ids=set(), preempted_req_ids=set())
+            s.begin_step(*step_args(so))
+            s.plan([f"r{i}"])
+            for slot in range(2):
+                s.capture(slot, torch.full((i + 1, H), float(i)))
+            s.end_step()
+        records = sorted(s.finish(), key=lambda r: r["index"])
         meta = {"layer_ids": [1, 3], "convention": "after", "dtype": "bfloat16", "hidden_size": H}
-        legacy.write_sidecars(root, records, meta, model="/models/tiny", input_path="in.jsonl", num_samples=len(records),
-                              seq_length=8, tp=1, gpu_memory_utilization=None, durable=False)
-        m = {"format": "hscapture/1", "model": "/models/tiny", **meta, "num_hidden_layers": 4, "tensor_parallel_size": 1,
-             "created_by": {}, "samples": records}
+        m = {"format": _native.MANIFEST_FORMAT, "sample_format": "legacy", "model": "/models/tiny", **meta,
+             "num_hidden_layers": 4, "tensor_parallel_size": 1, "created_by": {}, "samples": records}
+        formats.get("legacy").write_documents(root, records, m, formats.RunInfo(
+            model="/models/tiny", input_path="in.jsonl", num_samples=len(records), seq_length=8, tp=1,
+            gpu_memory_utilization=None, durable=False))
         _native.write_manifest(str(root / "manifest.json"), json.dumps(m))
         ShardInfo(k, 2, ROWS, "in.jsonl", "xxh3:abc", "legacy").write(root)
-        (root / legacy.STAGING / "hidden_states").rmdir()
-        (root / legacy.STAGING).rmdir()
         dirs.append(root)
     rep = run_merge(tmp_path / "out", dirs)
     assert rep.samples == ROWS
     out = tmp_path / "out"
     assert json.loads((out / "sample_lengths.json").read_text()) == {str(i): i + 1 for i in range(ROWS)}
     assert json.loads((out / "data_config.json").read_text())["data"]["num_samples"] == ROWS
-    assert legacy.verify_dir(out)[3] == [] and legacy.verify_dir(out)[0] == ROWS
+    assert _native.verify_dir(str(out))[3] == [] and _native.verify_dir(str(out))[0] == ROWS
     with pytest.raises(ConfigError, match="differ in format"):
         run_merge(tmp_path / "mixed", [dirs[0], make_shard(tmp_path / "h1", 1, 2)])

@@ -43,16 +43,16 @@ def run(tp, so, order, sharded):
     w = Worker()
     cap = w._hscapture
     if tp is not None:
-        cap.tp = tp
+        cap.sync.tp = tp
     w.runner.lay_out(order)
     cap.begin(so)
     for slot in range(len(cap.layer_ids)):
         h = rows_tagged(slot, so.total_num_scheduled_tokens)
         r = torch.full_like(h, 0.25)
         if sharded:
-            cap._on_capture(slot, tp.shard(h), tp.shard(r))
+            cap.on_capture(slot, tp.shard(h), tp.shard(r))
         else:
-            cap._on_capture(slot, h, r)
+            cap.on_capture(slot, h, r)
     cap.end()
     return {d["request_id"]: d["data"] for d in cap.session.take_samples()}
 
@@ -70,11 +70,11 @@ def test_gathered_shards_equal_the_replicated_stream(size, rank):
 def test_an_unknown_layout_is_refused_naming_layer_rank_and_shapes():
     so = sched(new=[new_req("a", list(range(1, 11)), 0)], n={"a": 10})
     w = Worker()
-    w._hscapture.tp = ShardedTP(4, 1)
+    w._hscapture.sync.tp = ShardedTP(4, 1)
     w.runner.lay_out(["a"])
     w._hscapture.begin(so)
     h = torch.zeros(4, 8)
-    w._hscapture._on_capture(0, h, h)  # a hook keeps its error for the step's end, where the ranks meet
+    w._hscapture.on_capture(0, h, h)  # a hook keeps its error for the step's end, where the ranks meet
     with pytest.raises(ShapeContractError, match=r"layer id 1 \(after convention, slot 0\), tensor-parallel rank 1 of 4: 4 rows"):
         w._hscapture.end()
 

@@ -76,9 +76,9 @@ def test_a_graph_built_for_other_capture_points_is_refused():
     from test_rpc import Worker
 
     cap = Worker(layers=(0, 2))._hscapture
-    cap._point_codes = tuple(traced.point_code(kind, k) for kind, k in cap.capture_points())
-    cap._on_traced(0, traced.point_code("layer_output", 0), torch.zeros(2, 4), None)  # its own point: fine (no step)
-    cap._on_traced(0, traced.point_code("layer_output", 1), torch.zeros(2, 4), None)  # kept for the next meeting
+    cap.traced_points = tuple(traced.point_code(kind, k) for kind, k in cap.capture_points())
+    cap.on_traced(0, traced.point_code("layer_output", 0), torch.zeros(2, 4), None)  # its own point: fine (no step)
+    cap.on_traced(0, traced.point_code("layer_output", 1), torch.zeros(2, 4), None)  # kept for the next meeting
     with pytest.raises(CompatibilityError, match="taps the output of decoder layer 1 for slot 0, but this capture reads "
                                                   "the output of decoder layer 0"):
         cap.flush()
@@ -89,8 +89,8 @@ def test_finish_deactivates_and_reports_the_taps_of_captured_steps():
     from test_rpc import Worker
 
     cap = Worker(layers=(0, 2))._hscapture
-    traced.activate(cap._on_traced, cap._on_positions)
-    cap._traced, cap._traced_taps = True, 7
+    traced.activate(cap.on_traced, cap.on_positions)
+    cap.traced_points, cap.traced_active, cap.traced_taps = (), True, 7
     cap.out_dtype, cap.hidden_size, cap.num_hidden_layers = "float32", 8, 4
     try:
         assert cap.finish()["traced_calls"] == 7

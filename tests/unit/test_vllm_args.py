@@ -77,7 +77,7 @@ def test_every_key_extract_sets_is_owned_or_deliberately_left_to_the_user():
 
     from hscapture.cli import extract
 
-    tree = ast.parse(inspect.getsource(extract._run_extract))
+    tree = ast.parse(inspect.getsource(extract._capture))
     built = set()
     for node in ast.walk(tree):
         if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["kwargs"]
@@ -86,7 +86,7 @@ def test_every_key_extract_sets_is_owned_or_deliberately_left_to_the_user():
         if isinstance(node, ast.Subscript) and getattr(node.value, "id", None) == "kwargs" and isinstance(
                 node.slice, ast.Constant):
             built.add(node.slice.value)
-    assert "worker_cls" in built and "tensor_parallel_size" in built, built  # the walk found run_extract's dict
+    assert "worker_cls" in built and "tensor_parallel_size" in built, built  # the walk found the dict of _capture (where vllm.LLM starts)
     overridable = {"seed", "disable_log_stats", "use_tqdm_on_load", "enable_prefix_caching"}
     assert built - set(vllm_args._OWNED) - overridable == set()
 

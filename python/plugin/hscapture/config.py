@@ -23,9 +23,11 @@ _KEYS = {
     "durable": "HSCAPTURE_DURABLE",
     "on_nonfinite": "HSCAPTURE_ON_NONFINITE",
     "compress": "HSCAPTURE_COMPRESS",
+    "format": "HSCAPTURE_FORMAT",
 }
 _EXTRA_KEYS = {"model_name"}
-_DTYPES = {"auto", "float32", "bfloat16", "float16"}
+_DTYPES = {"auto", *(name for name, _size in _native.dtypes())}
+from .formats import FORMATS  # noqa: E402 - the one list of formats
 
 
 def default_writer_threads() -> int:
@@ -55,6 +57,7 @@ class CaptureConfig:
     durable: bool = True
     on_nonfinite: str = "error"
     compress: int = 0
+    format: str = "hscapture"
     model_name: str = ""
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -66,7 +69,7 @@ class CaptureConfig:
         d: dict[str, Any] = {"layers": list(self.layers), "convention": self.convention, "dtype": self.dtype,
                              "writer_threads": self.writer_threads, "writer_queue": self.writer_queue,
                              "durable": self.durable, "on_nonfinite": self.on_nonfinite,
-                             "compress": self.compress}
+                             "compress": self.compress, "format": self.format}
         if self.out is not None:
             d["out"] = self.out
         if self.model_name:
@@ -105,6 +108,12 @@ def _coerce(key: str, value: Any, where: str):
             if v not in ("error", "skip"):
                 raise ValueError
             return v
+        if key == "format":
+            v = str(value).strip().lower()
+            v = {"file": "hscapture"}.get(v, v)
+            if v not in FORMATS:
+                raise ValueError
+            return v
         if key == "convention":
             v = str(value).strip().lower()
             if v not in ("after", "before"):
@@ -121,6 +130,8 @@ def _coerce(key: str, value: Any, where: str):
         expect = {
             "layers": "a list of integer layer ids such as [2, 4, 5]",
             "convention": '"after" or "before"',
+            "format": "hscapture (safetensors files, speculators' current training; also called file) or legacy "
+                      "(data_{i}.pt, speculators 0.3/0.4)",
             "dtype": "auto, float32, bfloat16 or float16",
             "writer_threads": 'a positive integer or "auto" (one per CPU core, 4 to 16)',
             "writer_queue": "a positive integer",

@@ -45,6 +45,9 @@ REGISTRY: dict[str, EnvVar] = {
         EnvVar("HSCAPTURE_COMPRESS", "int", "0",
                "Lossless compression of stored states: 0 = none; 1..22 = byte-plane split + zstd at that level "
                "(`hidden_states.zst` in the same safetensors file; hscapture's reader and `verify` decode it)."),
+        EnvVar("HSCAPTURE_FORMAT", "str", "hscapture",
+               "Sample format: `hscapture` (`OUT/hidden_states/hs_{i}.safetensors`, speculators' current training) or "
+               "`legacy` (`OUT/data_{i}.pt`, speculators 0.3/0.4)."),
         EnvVar("HSCAPTURE_ON_NONFINITE", "str", "error",
                "Samples with NaN/Inf values: `error` (a NonFiniteError naming sample, layer and count) or `skip` "
                "(not written; listed under `skipped` in the manifest with what was found)."),

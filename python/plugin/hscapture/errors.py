@@ -2,7 +2,8 @@
 
 ``HscaptureError`` is the base of ``ConfigError``, ``ShapeContractError`` (and its subclass
 ``NonFiniteError``), ``AttributionError``, ``RankMismatchError``, ``OutputError`` and
-``CompatibilityError``. Every message names what was expected, what was found and what to do.
+``CompatibilityError``, and ``PeerFailedError`` (another rank failed; its own error is the cause). Every
+message names what was expected, what was found and what to do.
 """
 
 from ._native import (  # noqa: F401
@@ -12,6 +13,7 @@ from ._native import (  # noqa: F401
     HscaptureError,
     NonFiniteError,
     OutputError,
+    PeerFailedError,
     RankMismatchError,
     ShapeContractError,
 )
@@ -25,4 +27,5 @@ __all__ = [
     "RankMismatchError",
     "OutputError",
     "CompatibilityError",
+    "PeerFailedError",
 ]

@@ -8,28 +8,26 @@ the driver re-raises it with its own type (``raise_recorded``).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from . import errors
+from . import _native, errors
 
 DIR = ".hscapture-errors"
 
 
 def record_failure(out: str | None, rank: int, e: BaseException) -> None:
     """Records a rank's first error (the root cause; what fails after it is a consequence). An error that
-    only says another rank failed (``hscapture_peer``) is not recorded: that rank's own error is."""
-    if not out or getattr(e, "hscapture_peer", False):
+    only says another rank failed (``PeerFailedError``) is not recorded: that rank's own error is."""
+    if not out or isinstance(e, errors.PeerFailedError):
         return
     try:
         d = Path(out) / DIR
         d.mkdir(parents=True, exist_ok=True)
         if (d / f"rank{rank}.json").exists():
             return
-        tmp = d / f".rank{rank}.json.partial-{os.getpid()}"
-        tmp.write_text(json.dumps({"type": type(e).__name__, "message": str(e), "rank": rank}))
-        os.replace(tmp, d / f"rank{rank}.json")
-    except OSError:
+        record = json.dumps({"type": type(e).__name__, "message": str(e), "rank": rank}).encode()
+        _native.write_file(str(d / f"rank{rank}.json"), record, False)
+    except (OSError, errors.HscaptureError):
         pass  # the original error is still raised; this file is a convenience
 
 

@@ -8,7 +8,6 @@ from typing import Any
 
 from . import _native
 
-_TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def load_manifest(out_dir: str | Path) -> dict[str, Any]:
@@ -17,15 +16,18 @@ def load_manifest(out_dir: str | Path) -> dict[str, Any]:
 
 
 def load_sample(path: str | Path) -> dict[str, Any]:
-    """One sample file as torch tensors: ``hidden_states`` [L, n_layers, H], ``token_ids`` int64 [L]."""
+    """One sample file of any format as torch tensors: ``hidden_states`` [L, n_layers, H], ``token_ids`` int64
+    [L]; ``loss_mask`` int64 [L] where the format stores one (else None); the file's ``checksum`` and
+    ``metadata``. Compressed states are decoded."""
     import torch
 
     s = _native.read_sample(str(path))
-    dtype = getattr(torch, _TORCH_DTYPES[s["dtype"]])
-    hs = torch.frombuffer(bytearray(s["data"]), dtype=dtype).reshape(s["shape"])
+    hs = torch.frombuffer(bytearray(s["data"]), dtype=getattr(torch, s["dtype"])).reshape(s["shape"])
+    mask = s["loss_mask"]
     return {
         "hidden_states": hs,
         "token_ids": torch.tensor(s["token_ids"], dtype=torch.int64),
+        "loss_mask": torch.tensor(list(mask), dtype=torch.int64) if mask is not None else None,
         "checksum": s["checksum"],
         "metadata": s["metadata"],
     }

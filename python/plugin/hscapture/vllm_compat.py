@@ -6,10 +6,14 @@ scheduler output, the order the model runner laid a step out in, the tensor-para
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from . import envs
 from .errors import CompatibilityError
+
+log = logging.getLogger("hscapture")
+_warned_single_phase = False
 
 SAMPLE_KEY = "hscapture_sample"
 """Key in ``SamplingParams.extra_args`` holding a request's sample index (``hs_{i}``)."""
@@ -54,6 +58,28 @@ def sample_index(sampling_params: Any) -> int | None:
     return int(v) if v is not None else None
 
 
+def complete_pending_sample(worker: Any) -> bool:
+    """A driver written for vLLM <= 0.11 never calls ``sample_tokens`` after an ``execute_model`` that
+    returned ``None``, and the V1 model runner then refuses the next ``execute_model``: the pending
+    ``sample_tokens`` is completed first (its result discarded: such a driver never reads it). True if one
+    was pending."""
+    global _warned_single_phase
+    runner = getattr(worker, "model_runner", None)
+    if getattr(runner, "execute_model_state", None) is None:
+        return False
+    if not _warned_single_phase:
+        log.warning("hscapture: the driver skipped sample_tokens() after execute_model(); completing it "
+                    "(a single-phase driver written for vLLM <= 0.11)")
+        _warned_single_phase = True
+    worker.sample_tokens(None)
+    return True
+
+
+LOSS_MASK_KEY = "hscapture_loss_mask"
+"""Key in ``SamplingParams.extra_args`` holding a request's training mask (0/1 per prompt token), for
+formats that store one (``legacy``)."""
+
+
 def step_args(so: Any) -> tuple:
     """A scheduler output as the plain arguments of ``CaptureSession.begin_step``."""
     new = []
@@ -63,7 +89,10 @@ def step_args(so: Any) -> tuple:
             raise CompatibilityError(
                 f"request {r.req_id!r} has no prompt token ids (prompt embeddings?); hscapture captures token prompts only"
             )
-        new.append((r.req_id, list(ids), int(r.num_computed_tokens), sample_index(r.sampling_params)))
+        extra = getattr(r.sampling_params, "extra_args", None) or {}
+        mask = extra.get(LOSS_MASK_KEY)
+        new.append((r.req_id, list(ids), int(r.num_computed_tokens), sample_index(r.sampling_params),
+                    list(mask) if mask is not None else None))
     c = so.scheduled_cached_reqs
     resumed = getattr(c, "resumed_req_ids", None)
     if resumed is None:  # older layout: a parallel list of flags

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import stepping, vllm_compat
-from .capture import WorkerCapture
+from . import vllm_compat
+from .capture import WorkerCapture, run_step
 from .config import from_sources
 from .errors import HscaptureError
 from .failures import record_failure
@@ -37,7 +37,7 @@ class CaptureWorker(HiddenStatesRPC, _Base):  # type: ignore[misc, valid-type]
                 if self._hscapture is not None:  # the model was loaded again: the old hooks go with the old model
                     self._hscapture.close()
                     self._hscapture = None
-                self._hscapture = self.capture_cls(self, cfg)
+                self._hscapture = self.capture_cls.from_worker(self, cfg)
         except HscaptureError as e:
             section = (additional or {}).get("hscapture") if isinstance(additional, dict) else None
             record_failure((section or {}).get("out"), int(getattr(self, "rank", 0)), e)
@@ -58,7 +58,7 @@ class CaptureWorker(HiddenStatesRPC, _Base):  # type: ignore[misc, valid-type]
 
             self._hscapture_shims_checked = True
             apply_worker_shims(self)
-        return stepping.run_step(self, super().execute_model, scheduler_output, *args, **kwargs)
+        return run_step(self, super().execute_model, scheduler_output, *args, **kwargs)
 
     # -- RPC (collective_rpc("hscapture_drain" | "hscapture_finish")) ---------------------------
     def hscapture_drain(self) -> dict | None:

@@ -219,7 +219,7 @@ impl Format for Legacy {
         let entries = zip::entries(bytes, what)?;
         let get = |rest: &str| entries.iter().find(|(n, _)| *n == name(rest)).map(|(_, d)| *d);
         let Some(pkl) = get("data.pkl") else {
-            bail!(Output, "{what}: no {ROOT}/data.pkl: not an archive hscapture wrote");
+            bail!(Output, "{what}: no {ROOT}/data.pkl: not written by hscapture (another tool's torch archive?)");
         };
         let storages = entries.iter().filter(|(n, _)| n.starts_with(&name("data/"))).count();
         ensure!(storages >= 3, Output, "{what}: {storages} storages; expected input_ids, at least one layer and loss_mask");
@@ -239,7 +239,7 @@ impl Format for Legacy {
             pkl == pickle(rows as u64, slots, width as u64, dtype).as_slice(),
             Output,
             "{what}: its pickle is not the one hscapture writes for [{rows}, {slots}, {width}] {dtype}: the file was \
-             changed or written by another tool"
+             changed, or not written by hscapture"
         );
         let rb = width * es;
         let total = rows.checked_mul(slots).and_then(|x| x.checked_mul(rb)).ok_or_else(|| core_err!(Output, "{what}: the sample's size overflows"))?;

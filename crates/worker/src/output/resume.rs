@@ -29,6 +29,8 @@ pub struct Plan {
     pub kept: BTreeMap<u64, Kept>,
     /// Samples to capture again, one line each saying why.
     pub recapture: Vec<String>,
+    /// The identity the ledger records (None without a ledger).
+    pub identity: Option<Identity>,
 }
 
 /// The ledger of the capture in `root`: its identity and its records, the journal's last word for
@@ -107,6 +109,7 @@ pub fn plan(root: &Path, identity: &Identity) -> CoreResult<Plan> {
         }
     }
     out.recapture.extend(unvouched(root, format.as_ref(), &vouched));
+    out.identity = found;
     Ok(out)
 }
 

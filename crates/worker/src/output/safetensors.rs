@@ -1,6 +1,6 @@
 //! The `hscapture` format: sample files in the layout speculators' training reads —
-//! `hidden_states` `[L, n_layers, H]` and `token_ids` int64 `[L]` in a safetensors file, written with
-//! the `safetensors` crate's header types and without copying the tensor data; optionally the states
+//! `hidden_states` `[L, n_layers, H]` and `token_ids` int64 `[L]` in a safetensors file (read with the
+//! `safetensors` crate; written without copying the tensor data, the header's keys sorted); optionally the states
 //! byte-plane split and zstd-compressed (`hidden_states.zst`, see `compress.rs`). The header's
 //! metadata carries the capture's settings (`hscapture.identity`, and for readers that look for them
 //! `format`, `convention`, `layer_ids`, `model`).
@@ -8,7 +8,6 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 
-use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::{Dtype, SafeTensors};
 
 use crate::attribution::plan::SampleKey;
@@ -57,23 +56,31 @@ pub fn identity_metadata(identity: &Identity) -> CoreResult<HashMap<String, Stri
 }
 
 /// Header bytes (length prefix excluded), padded with spaces to a multiple of 8. `compressed`: the
-/// length of the compressed states stored instead of `hidden_states`.
+/// length of the compressed states stored instead of `hidden_states`. The JSON's keys are sorted (a
+/// file is a function of its sample: its checksum too).
 fn header(sample: &Sample, mut metadata: HashMap<String, String>, compressed: Option<usize>) -> CoreResult<Vec<u8>> {
     let tok_len = sample.token_ids.len() * 8;
-    let states = match compressed {
-        None => ("hidden_states".to_string(), TensorInfo { dtype: st_dtype(sample.dtype), shape: sample.shape().to_vec(), data_offsets: (tok_len, tok_len + sample.data.len()) }),
-        Some(n) => (COMPRESSED.to_string(), TensorInfo { dtype: Dtype::U8, shape: vec![n], data_offsets: (tok_len, tok_len + n) }),
+    let (states, dtype, shape, end) = match compressed {
+        None => ("hidden_states", st_dtype(sample.dtype), sample.shape().to_vec(), tok_len + sample.data.len()),
+        Some(n) => (COMPRESSED, Dtype::U8, vec![n], tok_len + n),
     };
-    let infos = vec![("token_ids".to_string(), TensorInfo { dtype: Dtype::I64, shape: vec![sample.token_ids.len()], data_offsets: (0, tok_len) }), states];
     if compressed.is_some() {
         let [l, n, h] = sample.shape();
         metadata.insert(META_CODEC.into(), crate::output::compress::CODEC.into());
         metadata.insert(META_SHAPE.into(), format!("{l},{n},{h}"));
         metadata.insert(META_DTYPE.into(), format!("{:?}", st_dtype(sample.dtype)));
     }
-    let meta = if metadata.is_empty() { None } else { Some(metadata) };
-    let m = Metadata::new(meta, infos).map_err(|e| core_err!(Output, "cannot build the safetensors header: {e}"))?;
-    let mut buf = serde_json::to_vec(&m).map_err(|e| core_err!(Output, "cannot encode the safetensors header: {e}"))?;
+    let info = |dtype: Dtype, shape: Vec<usize>, begin: usize, end: usize| {
+        serde_json::json!({"dtype": format!("{dtype:?}"), "shape": shape, "data_offsets": [begin, end]})
+    };
+    let mut head = serde_json::Map::new();
+    head.insert("token_ids".into(), info(Dtype::I64, vec![sample.token_ids.len()], 0, tok_len));
+    head.insert(states.into(), info(dtype, shape, tok_len, end));
+    if !metadata.is_empty() {
+        let sorted: std::collections::BTreeMap<String, String> = metadata.into_iter().collect();
+        head.insert("__metadata__".into(), serde_json::json!(sorted));
+    }
+    let mut buf = serde_json::to_vec(&head).map_err(|e| core_err!(Output, "cannot encode the safetensors header: {e}"))?;
     buf.resize(buf.len().next_multiple_of(8), b' ');
     Ok(buf)
 }

@@ -96,9 +96,10 @@ fn verify_dir(py: Python<'_>, root: PathBuf) -> PyResult<(usize, u64, u64, Vec<S
 }
 
 /// What a run of `identity` (JSON of the capture's settings) resuming the capture in `root` keeps:
-/// `({index: (record dict, token_ids)}, [why each other file is captured again])`.
+/// `({index: (record dict, token_ids)}, [why each other file is captured again], the ledger's identity as
+/// JSON or None)`.
 #[pyfunction]
-fn resume_plan<'py>(py: Python<'py>, root: PathBuf, identity: &str) -> PyResult<(Bound<'py, PyDict>, Vec<String>)> {
+fn resume_plan<'py>(py: Python<'py>, root: PathBuf, identity: &str) -> PyResult<(Bound<'py, PyDict>, Vec<String>, Option<String>)> {
     guard("resume_plan", || {
         let id: Identity = serde_json::from_str(identity).map_err(|e| core_err!(Config, "the capture identity is not valid: {e}"))?;
         let plan = py.detach(|| crate::output::resume::plan(&root, &id))?;
@@ -106,7 +107,8 @@ fn resume_plan<'py>(py: Python<'py>, root: PathBuf, identity: &str) -> PyResult<
         for (i, k) in plan.kept {
             d.set_item(i, (record_dict(py, &k.record)?, k.token_ids))?;
         }
-        Ok((d, plan.recapture))
+        let found = plan.identity.map(|i| serde_json::to_string(&i)).transpose().map_err(|e| core_err!(Output, "cannot encode an identity: {e}"))?;
+        Ok((d, plan.recapture, found))
     })
 }
 
@@ -115,6 +117,12 @@ fn resume_plan<'py>(py: Python<'py>, root: PathBuf, identity: &str) -> PyResult<
 #[pyo3(signature = (path, data, durable=true))]
 fn write_file(py: Python<'_>, path: PathBuf, data: &[u8], durable: bool) -> PyResult<u64> {
     guard("write_file", || Ok(py.detach(|| write_atomic(&path, durable, |w| w.write_all(data)))?.bytes))
+}
+
+/// Flushes a directory's entries (renames into it) to disk.
+#[pyfunction]
+fn sync_dir(py: Python<'_>, path: PathBuf) -> PyResult<()> {
+    guard("sync_dir", || Ok(py.detach(|| crate::output::atomic::sync_dir(&path))?))
 }
 
 /// The dtypes stored states may have: `[(torch name, bytes per element)]` (the one dtype table).
@@ -176,6 +184,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(resume_plan, m)?)?;
     m.add_function(wrap_pyfunction!(write_file, m)?)?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
+    m.add_function(wrap_pyfunction!(sync_dir, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_probe, m)?)?;

@@ -11,8 +11,9 @@ import random
 import time
 from pathlib import Path
 
-from .. import envs, tiny
-from ..compare import compare
+from .. import envs
+from ..testing import tiny
+from ..testing.compare import compare
 from ..io import load_sample
 from .extract import ExtractOptions, run_extract
 
@@ -31,7 +32,7 @@ def demo_prompts(n: int = 12, seed: int = 0) -> list[list[int]]:
 
 
 def run_demo(out: Path, tp: int = 2, max_num_batched_tokens: int = 64) -> int:
-    from .. import reference
+    from ..testing import reference
 
     t0 = time.perf_counter()
     model = tiny.build("deepseek_v3", cache_dir() / "models" / "tiny-deepseek-v3", seed=0)

@@ -24,9 +24,10 @@ def index_of(request_id: str) -> int | None:
 
 
 def drive(llm, prompts, rows: Iterable[int], on_finished: Callable[[int, int], None], window: int = 1024,
-          on_step: Callable[[], None] | None = None) -> int:
-    """Sends ``prompts[i]`` for each ``i`` of ``rows`` (``max_tokens=1``, the row as the sample index) and steps
-    the engine until all finished; ``on_finished(i, prompt_length)`` per finished request. Returns the count."""
+          extra_args: Callable[[int], dict] | None = None) -> int:
+    """Sends ``prompts[i]`` for each ``i`` of ``rows`` (``max_tokens=1``; ``extra_args(i)`` for the workers, by
+    default the row as the sample index) and steps the engine until all finished; ``on_finished(i,
+    prompt_length)`` per finished request. Returns the count."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
@@ -40,7 +41,7 @@ def drive(llm, prompts, rows: Iterable[int], on_finished: Callable[[int, int], N
             if i is None:
                 return
             rid = f"{PREFIX}{i}"
-            params = SamplingParams(max_tokens=1, detokenize=False, extra_args={SAMPLE_KEY: i})
+            params = SamplingParams(max_tokens=1, detokenize=False, extra_args=extra_args(i) if extra_args else {SAMPLE_KEY: i})
             engine.add_request(rid, {"prompt_token_ids": prompts[i]}, params)
             sent[rid] = i
 
@@ -55,7 +56,5 @@ def drive(llm, prompts, rows: Iterable[int], on_finished: Callable[[int, int], N
                 sent.pop(f"{PREFIX}{i}", None)
             done += 1
             on_finished(i, len(out.prompt_token_ids or ()))
-        if on_step is not None:
-            on_step()
         fill()
     return done

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..errors import HscaptureError
+from ..formats import FORMATS
 
 
 def _ids(s: str) -> list[int]:
@@ -27,7 +28,7 @@ def parser() -> argparse.ArgumentParser:
                          "prepared dataset (a datasets save_to_disk directory with input_ids; sample i = row i)")
     ex.add_argument("--tokenizer", default=None, help="tokenizer directory for \"text\" lines (default: the model's)")
     ex.add_argument("--out", required=True, help="output directory (hidden_states/hs_{i}.safetensors, manifest.json)")
-    ex.add_argument("--format", default="hscapture", choices=["hscapture", "legacy"],
+    ex.add_argument("--format", default="hscapture", choices=sorted(FORMATS),
                     help="hscapture: hidden_states/hs_{i}.safetensors (speculators' current training); legacy: "
                          "data_{i}.pt + sample_lengths.json + data_config.json (speculators 0.3/0.4)")
     ex.add_argument("--shard", default=None, metavar="K/N",

@@ -18,7 +18,7 @@ from pathlib import Path
 from .. import _native
 from ..errors import ConfigError, OutputError
 from ..outlock import OutputLock
-from . import legacy
+from .. import formats
 from .shard import ShardInfo
 
 SETTINGS = ("layer_ids", "convention", "dtype", "hidden_size", "num_hidden_layers", "tensor_parallel_size")
@@ -156,14 +156,8 @@ def _merge(out: Path, shards, m0: dict, move: bool) -> MergeReport:
             counts[_place(d / r["file"], dst, r["bytes"], move)] += 1
             records.append(r)
     for p in dirs_touched:
-        legacy._fsync_dir(p)
-    if fmt == "legacy":
-        lengths = {str(r["index"]): r["length"] for r in sorted(records, key=lambda r: r["index"])}
-        legacy.write_atomic(out / "sample_lengths.json", True, lambda f: f.write(json.dumps(lengths, indent=2).encode()))
-        cfg = json.loads((shards[0][0] / "data_config.json").read_text())
-        cfg["data"]["num_samples"] = len(records)
-        cfg.setdefault("hscapture", {})["merged_from"] = [str(d) for d, _, _ in shards]
-        legacy.write_atomic(out / "data_config.json", True, lambda f: f.write(json.dumps(cfg, indent=2).encode()))
+        _native.sync_dir(str(p))
+    formats.get(fmt).merge_documents(out, shards[0][0], records, [d for d, _, _ in shards])
     manifest = dict(m0)
     manifest["samples"] = records
     manifest["created_by"] = {**m0.get("created_by", {}), "merge": f"{len(shards)} shards"}

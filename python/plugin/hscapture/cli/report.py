@@ -105,21 +105,26 @@ class ExtractReport:
     resumed: int = 0
     format: str = "hscapture"
     shard: str | None = None
+    skipped: int = 0  # samples not written for NaN/Inf values (--on-nonfinite skip)
+    compressed: bool = False
     checks: list[str] = field(default_factory=list)
     steady_tokens_per_s: float = float("nan")  # after the first forward (its warm-up excluded), when measured
+
+    @property
+    def where(self) -> str:
+        from ..formats import get
+
+        fmt = get(self.format)
+        return f"{self.out}/{fmt.file_pattern}" + "".join(f" + {d}" for d in fmt.documents) + " + manifest.json"
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def where(self) -> str:
-        if self.format == "legacy":
-            return f"{self.out}/data_{{i}}.pt + sample_lengths.json + data_config.json + manifest.json"
-        return f"{self.out}/hidden_states/hs_{{i}}.safetensors + manifest.json"
-
     def lines(self) -> list[str]:
         out = [
-            f"samples     {self.samples}" + (f" (+{self.resumed} finished earlier, kept)" if self.resumed else ""),
+            f"samples     {self.samples}" + (f" (+{self.resumed} finished earlier, kept)" if self.resumed else "")
+            + (f"; {self.skipped} skipped for NaN/Inf values (listed in the manifest, retried by --resume)" if self.skipped else ""),
             f"tokens      {self.tokens}",
             f"bytes       {self.bytes} ({self.bytes / 2**20:.1f} MiB)",
             f"throughput  {self.tokens_per_s:,.0f} tokens/s ({self.seconds:.1f} s capture"
@@ -131,5 +136,8 @@ class ExtractReport:
         if self.shard:
             out.append(f"shard       {self.shard} (global row indices; combine with hscapture merge)")
         out += [f"checks      {c}" for c in self.checks]
-        out.append(f"output      {self.where()}")
+        out.append(f"output      {self.where}")
+        if self.compressed:
+            out.append("compressed  states stored as `hidden_states.zst` (byte planes + zstd): read them with "
+                       "hscapture.load_sample; safetensors.load_file alone sees only the compressed bytes")
         return out

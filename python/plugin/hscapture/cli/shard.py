@@ -47,9 +47,9 @@ class ShardInfo:
     format: str  # hscapture | legacy
 
     def write(self, out: Path) -> None:
-        from .legacy import write_atomic
+        from ..formats import write_json
 
-        write_atomic(out / FILE, True, lambda f: f.write(json.dumps(asdict(self), indent=2).encode()))
+        write_json(out / FILE, asdict(self))
 
     @classmethod
     def read(cls, out: Path) -> "ShardInfo | None":

@@ -1,47 +1,43 @@
-"""``hscapture verify DIR [--model PATH]``: every file against the manifest and the contract (shapes,
-dtypes, finite values, token ids, checksums, no orphans or partial files); optionally recompute samples
-with HF transformers and compare. Both layouts: ``hidden_states/hs_{i}.safetensors`` (checked in Rust) and
-the legacy ``data_{i}.pt``."""
+"""``hscapture verify DIR [--model PATH]``: every file against the manifest and the contract (shapes, dtypes,
+finite values, token ids, whole-file checksums, no orphans or partial files), whatever the format (checked in
+Rust), and the format's documents; optionally recompute samples with HF transformers and compare."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
-from .. import _native
-from . import legacy
+from .. import _native, formats, load_sample
 
 TOLERANCE = 1e-3
 
 
-def _load(root: Path, rec: dict) -> dict:
-    from .. import load_sample
-
-    if rec["file"].endswith(".pt"):
-        d = legacy.load(root / rec["file"])
-        return {"token_ids": d["input_ids"], "hidden_states": legacy.states_of(d)}
-    return load_sample(root / rec["file"])
-
-
 def run_verify(root: Path, model: str | None = None, n: int = 2) -> int:
-    is_legacy = legacy.is_legacy(root)
-    samples, tokens, nbytes, problems = (legacy.verify_dir if is_legacy else _native.verify_dir)(root if is_legacy else str(root))
-    print(f"checked {samples} samples, {tokens} tokens, {nbytes / 2**20:.1f} MiB in {root}"
-          + (" (legacy data_{i}.pt layout)" if is_legacy else ""))
+    samples, tokens, nbytes, problems = _native.verify_dir(str(root))
+    m = json.loads(_native.read_manifest(str(root / "manifest.json")))
+    fmt = formats.of_manifest(m)
+    problems += fmt.check_documents(root, m)
+    print(f"checked {samples} samples, {tokens} tokens, {nbytes / 2**20:.1f} MiB in {root} ({fmt.name} format: "
+          f"{fmt.file_pattern})")
     for p in problems[:50]:
         print(f"  PROBLEM {p}")
     if len(problems) > 50:
         print(f"  ... and {len(problems) - 50} more")
     ok = not problems
     if model and samples:
-        from .. import reference
-        from ..compare import compare
+        from ..testing import reference
+        from ..testing.compare import compare
 
-        m = json.loads(_native.read_manifest(str(root / "manifest.json")))
         picked = m["samples"][: max(1, n)]
-        loaded = [_load(root, s) for s in picked]
-        refs = reference.compute_subprocess(model, [x["token_ids"].tolist() for x in loaded], m["layer_ids"],
-                                            m["convention"], root / ".verify-reference")
+        loaded = [load_sample(root / s["file"]) for s in picked]
+        work = Path(tempfile.mkdtemp(prefix="hscapture-verify-"))
+        try:
+            refs = reference.compute_subprocess(model, [x["token_ids"].tolist() for x in loaded], m["layer_ids"],
+                                                m["convention"], work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
         cmp = compare([x["hidden_states"] for x in loaded], refs)
         good = cmp.ok(TOLERANCE)
         print(f"  recomputed {len(picked)} samples with HF transformers: worst relative error {cmp.worst:.2e} "

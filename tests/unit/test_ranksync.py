@@ -1,4 +1,4 @@
-"""Failures and the TP ranks' meetings (``meeting.py``), without an engine: two real Rust sessions in two
+"""Failures and the TP ranks' meetings (``ranksync.py``), without an engine: two real Rust sessions in two
 threads, meeting through an all-gather built on a barrier. What must hold whatever fails where: both
 ranks make the same all-gathers (a missing one would leave the other waiting: the barrier's timeout
 turns that into a failed test), both stop, and only the failed rank's own error is recorded."""
@@ -12,7 +12,7 @@ import torch
 from test_rpc import Worker
 from test_session import H, new_req, rows_tagged, sched
 
-from hscapture import HscaptureError, OutputError, RankMismatchError, ShapeContractError, failures
+from hscapture import HscaptureError, OutputError, PeerFailedError, RankMismatchError, ShapeContractError, failures
 
 
 class Exchange:
@@ -79,10 +79,7 @@ def two_ranks(tmp_path, setup, script):
     ex = Exchange(2)
     ws = []
     for rank in range(2):
-        w = Worker()
-        cap = w._hscapture
-        cap.tp, cap.global_rank = ThreadTP(ex, rank), rank
-        cap.cfg = type(cap.cfg)(layers=cap.cfg.layers, convention="after", out=str(tmp_path))
+        w = Worker(tp=ThreadTP(ex, rank), rank=rank, out=str(tmp_path))
         setup(w, rank)
         ws.append(w)
     results = [None, None]
@@ -130,7 +127,7 @@ def steps(w, rank, got, hook_error_on=None, forward_error_on=None):
             h = rows_tagged(slot, n)
             if hook_error_on == (rank, rid) and slot == 0:
                 h = h[:, :-1]  # a tensor of the wrong width: the hook keeps the error for the step's end
-            cap._on_capture(slot, h, torch.zeros_like(h))
+            cap.on_capture(slot, h, torch.zeros_like(h))
         call(got, f"end {rid}", cap.end)
     call(got, "drain", cap.drain)
     call(got, "close", cap.close)
@@ -139,7 +136,7 @@ def steps(w, rank, got, hook_error_on=None, forward_error_on=None):
 def test_two_healthy_ranks_meet_alike_and_capture(tmp_path):
     ws, res = two_ranks(tmp_path, lambda w, r: None, steps)
     assert res[0] == res[1] == [("end a", "ok"), ("end b", "ok"), ("end c", "ok"), ("drain", "ok"), ("close", "ok")]
-    assert ws[0]._hscapture.tp.log == ws[1]._hscapture.tp.log == ["meet"] * 8  # 3 × (begin, end), drain, close
+    assert ws[0]._hscapture.sync.tp.log == ws[1]._hscapture.sync.tp.log == ["meet"] * 8  # 3 × (begin, end), drain, close
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -147,10 +144,10 @@ def test_a_hook_error_on_one_rank_stops_both_at_the_step_end(tmp_path, rank):
     ws, res = two_ranks(tmp_path, lambda w, r: None, lambda w, r, got: steps(w, r, got, hook_error_on=(rank, "b")))
     mine, other = res[rank], res[1 - rank]
     assert not [x for x in mine + other if x[0] == "HANG"], res
-    assert ws[0]._hscapture.tp.log == ws[1]._hscapture.tp.log, "the same all-gathers on both ranks"
+    assert ws[0]._hscapture.sync.tp.log == ws[1]._hscapture.sync.tp.log, "the same all-gathers on both ranks"
     assert mine[1][:2] == ("end b", "ShapeContractError") and "refused" not in mine[1][2], "the hook's own error"
     assert mine[2][:2] == ("begin c", "ShapeContractError") and "refused: this rank" in mine[2][2]
-    assert other[1][:2] == ("end b", "HscaptureError") and f"tensor-parallel rank {rank} (global rank {rank}) failed" in other[1][2]
+    assert other[1][:2] == ("end b", "PeerFailedError") and f"tensor-parallel rank {rank} (global rank {rank}) failed" in other[1][2]
     assert [x[0] for x in mine[2:]] == [x[0] for x in other[2:]] == ["begin c", "drain", "close"]
     assert mine[-1] == other[-1] == ("close", "ok"), "close never raises: both ranks go on alike"
     with pytest.raises(ShapeContractError, match=rf"raised by the worker of rank {rank}\]"):
@@ -162,10 +159,10 @@ def test_a_forward_that_raised_on_one_rank_stops_both_without_a_hang(tmp_path, r
     ws, res = two_ranks(tmp_path, lambda w, r: None, lambda w, r, got: steps(w, r, got, forward_error_on=(rank, "b")))
     mine, other = res[rank], res[1 - rank]
     assert not [x for x in mine + other if x[0] == "HANG"], res
-    assert ws[0]._hscapture.tp.log == ws[1]._hscapture.tp.log == ["meet"] * 7, "a, b: begin and end; c: begin; drain; close"
+    assert ws[0]._hscapture.sync.tp.log == ws[1]._hscapture.sync.tp.log == ["meet"] * 7, "a, b: begin and end; c: begin; drain; close"
     assert mine[1] == ("forward b", "raised")
     assert mine[2][:2] == ("begin c", "HscaptureError") and mine[2][2].startswith("the forward of a step raised RuntimeError")
-    assert other[1][:2] == ("end b", "HscaptureError") and f"tensor-parallel rank {rank} (global rank {rank}) failed" in other[1][2]
+    assert other[1][:2] == ("end b", "PeerFailedError") and f"tensor-parallel rank {rank} (global rank {rank}) failed" in other[1][2]
     assert mine[-1] == other[-1] == ("close", "ok")
     with pytest.raises(HscaptureError, match=rf"illegal memory access.*raised by the worker of rank {rank}\]"):
         failures.raise_recorded(tmp_path)
@@ -178,9 +175,9 @@ def test_a_writer_failure_on_rank_0_alone_stops_both_without_a_hang(tmp_path):
 
     ws, res = two_ranks(tmp_path, setup, steps)
     assert not [x for x in res[0] + res[1] if x[0] == "HANG"], res
-    assert ws[0]._hscapture.tp.log == ws[1]._hscapture.tp.log
+    assert ws[0]._hscapture.sync.tp.log == ws[1]._hscapture.sync.tp.log
     assert res[0][0][:2] == ("end a", "OutputError") and "No space left" in res[0][0][2]
-    assert res[1][0][:2] == ("end a", "HscaptureError") and "tensor-parallel rank 0 (global rank 0) failed" in res[1][0][2]
+    assert res[1][0][:2] == ("end a", "PeerFailedError") and "tensor-parallel rank 0 (global rank 0) failed" in res[1][0][2]
     with pytest.raises(OutputError, match="No space left"):
         failures.raise_recorded(tmp_path)
 
@@ -188,11 +185,11 @@ def test_a_writer_failure_on_rank_0_alone_stops_both_without_a_hang(tmp_path):
 def test_a_divergent_rank_is_named_on_both(tmp_path):
     def setup(w, rank):
         if rank == 1:
-            w._hscapture._capture = _perturbed(w._hscapture._capture)
+            w._hscapture.capture = _perturbed(w._hscapture.capture)
 
     ws, res = two_ranks(tmp_path, setup, steps)
-    assert ws[0]._hscapture.tp.log == ws[1]._hscapture.tp.log
-    assert ws[0]._hscapture.tp.log[:3] == ["meet", "meet", "checksum"], "digests differ: then the step's checksum"
+    assert ws[0]._hscapture.sync.tp.log == ws[1]._hscapture.sync.tp.log
+    assert ws[0]._hscapture.sync.tp.log[:3] == ["meet", "meet", "checksum"], "digests differ: then the step's checksum"
     for got in res:
         assert got[0][:2] == ("end a", "RankMismatchError") and "ranks [1] disagree with rank 0" in got[0][2]
         assert [x[:2] for x in got[1:]] == [("begin b", "RankMismatchError"), ("begin c", "RankMismatchError"),
@@ -216,7 +213,7 @@ def test_after_a_failed_step_every_later_step_and_result_is_refused():
     w.step(sched(new=[new_req("a", [1, 2, 3], None)], n={"a": 3}), ["a"])
     cap.begin(sched(new=[new_req("b", [4, 5], None)], n={"b": 2}))
     w.runner.lay_out(["b"])
-    cap._on_capture(0, rows_tagged(0, 2), torch.zeros(2, H))
+    cap.on_capture(0, rows_tagged(0, 2), torch.zeros(2, H))
     with pytest.raises(ShapeContractError, match="never reached its hook"):
         cap.end()  # slot 1 missing
     assert not cap.session.in_step
@@ -240,7 +237,7 @@ def test_a_forward_that_raised_stops_the_capture():
     w2 = Worker()
     w2._hscapture.begin(sched(new=[new_req("a", [1, 2, 3], None)], n={"a": 3}))
     w2._hscapture.abandon(KeyboardInterrupt())  # the process is going down: nothing recorded, no refusal kept
-    assert w2._hscapture._failure is None
+    assert w2._hscapture.sync.failure is None
 
 
 def test_a_rank_mismatch_leaves_no_step_half_begun():
@@ -253,8 +250,7 @@ def test_a_rank_mismatch_leaves_no_step_half_begun():
         def all_gather_i64(self, v):
             return [v, v + 1]
 
-    w = Worker()
-    w._hscapture.tp = SplitTP()
+    w = Worker(tp=SplitTP())
     with pytest.raises(RankMismatchError, match=r"ranks \[1\] disagree"):
         w.step(sched(new=[new_req("a", [1, 2, 3], None)], n={"a": 3}), ["a"])
     assert not w._hscapture.session.in_step

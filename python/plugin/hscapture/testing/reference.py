@@ -2,7 +2,7 @@
 
 HF decoder layers return the full residual stream (no fused residual), so ``after`` id ``i`` is
 layer ``i``'s output and ``before`` id ``i`` is layer ``i``'s input. Runs in-process, or as
-``python -m hscapture.reference`` in a subprocess whose ``sys.path`` starts with
+``python -m hscapture.testing.reference`` in a subprocess whose ``sys.path`` starts with
 ``HSCAPTURE_REFERENCE_PATH`` (a transformers 5.x install: transformers 4.57's DeepSeek differs from
 vLLM's by ~2e-2, 5.x agrees).
 """
@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import _native
+from .. import _native
 
 
 def compute(model_path: str, prompts: list[list[int]], layer_ids: list[int], convention: str,
@@ -56,7 +56,7 @@ def compute(model_path: str, prompts: list[list[int]], layer_ids: list[int], con
 
 def reference_path() -> str | None:
     """``HSCAPTURE_REFERENCE_PATH``, else ``<venv>/ref-transformers`` if the set-up script made it."""
-    from . import envs
+    from .. import envs
 
     p = envs.get("HSCAPTURE_REFERENCE_PATH")
     if p:
@@ -79,7 +79,7 @@ def compute_subprocess(model_path: str, prompts: list[list[int]], layer_ids: lis
     extra = reference_path()
     if extra:
         env["PYTHONPATH"] = extra + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    subprocess.run([python or sys.executable, "-m", "hscapture.reference", str(req), str(res)], check=True, env=env)
+    subprocess.run([python or sys.executable, "-m", "hscapture.testing.reference", str(req), str(res)], check=True, env=env)
     t = load_file(str(res))
     return [t[f"p{i}"] for i in range(len(prompts))]
 

@@ -1,0 +1,142 @@
+"""From a vLLM worker to its ``WorkerCapture``: the model's facts, the Rust session and its output, the
+rank meetings, the capture path (the CUDA device path or host copies), the pipeline-stage link and the
+hooks (eager, or traced into vLLM's torch.compile graph). Nothing here runs per step."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from . import _native, envs, hooks, vllm_compat
+from .config import CaptureConfig
+from .errors import ConfigError, HscaptureError
+from .ranksync import RankSync
+
+log = logging.getLogger("hscapture")
+
+
+def model_facts(vllm_config: Any) -> tuple[int, int, str, str]:
+    """(decoder layers, hidden size, activation dtype, model) as vLLM runs the model."""
+    mc = vllm_config.model_config
+    text = getattr(mc, "hf_text_config", None) or mc.hf_config
+    return int(text.num_hidden_layers), int(mc.get_hidden_size()), str(mc.dtype).removeprefix("torch."), str(mc.model)
+
+
+def assembly_ring() -> int:
+    """Step buffers for background assembly (``HSCAPTURE_ASSEMBLY``, ``HSCAPTURE_HOST_RING``); 0 = inline."""
+    mode = envs.get("HSCAPTURE_ASSEMBLY")
+    if mode not in ("background", "inline"):
+        raise ConfigError(f"HSCAPTURE_ASSEMBLY={mode!r} is not valid: expected `background` or `inline`")
+    if mode == "inline":
+        return 0
+    ring = envs.get("HSCAPTURE_HOST_RING")
+    if ring < 2:
+        raise ConfigError(f"HSCAPTURE_HOST_RING={ring} is not valid: background assembly needs at least 2 step buffers; "
+                          "set HSCAPTURE_ASSEMBLY=inline to assemble on the worker's thread")
+    return ring
+
+
+def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
+    vc = worker.vllm_config
+    compiled = vllm_compat.compiled(vc)
+    pp_size, pp_rank = vllm_compat.pp_info()
+    n_layers, hidden, model_dtype, model = model_facts(vc)
+    layer_ids = cfg.resolve(n_layers)
+    tp = vllm_compat.TPGroup()
+    writer = tp.rank == 0 and pp_rank == pp_size - 1  # the last stage assembles (pipeline.py)
+    out_dtype = model_dtype if cfg.dtype == "auto" else cfg.dtype
+    session = _native.CaptureSession(
+        layer_ids, cfg.convention, n_layers, hidden, model_dtype, out_dtype,
+        assemble=writer, out_dir=cfg.out if writer else None, writer_threads=cfg.writer_threads,
+        writer_queue=cfg.writer_queue, durable=cfg.durable, format=cfg.format, compress=cfg.compress or None,
+        model=cfg.model_name or model,
+    )
+    session.set_skip_nonfinite(cfg.on_nonfinite == "skip")
+    ring = assembly_ring()
+    if writer and ring:
+        session.set_background(ring)
+    sync = RankSync(tp, int(getattr(worker, "rank", 0)), cfg.out)
+    order = vllm_compat.RunnerOrder(worker.model_runner)
+    cap = cls(cfg, session, sync, order, writer=writer, num_hidden_layers=n_layers, hidden_size=hidden, out_dtype=out_dtype)
+    name, layers = hooks.find_decoder_layers(worker.get_model(), n_layers)
+    points = cap.capture_points()
+    local = [slot for slot, (_kind, k) in enumerate(points) if not hooks.is_missing(layers[k])]
+    if pp_size > 1:
+        from .pipeline import StageLink
+
+        cap.link = StageLink(session, pp_size, pp_rank, tp.rank, local, len(points))
+    failure: HscaptureError | None = None
+    try:
+        cap.device_path = "host" if pp_size > 1 and torch.cuda.is_available() else enable_device(cap, vc)
+    except HscaptureError as e:  # reported after the ranks compared paths, so that none waits for this one
+        cap.device_path, failure = "failed", e
+    sync.agree_on_path(cap.device_path, cap.overlap, failure)
+    install_hooks(cap, vc, layers, points, compiled)
+    log.info("hscapture: capturing %s ids %s at %s (%d hooks%s), tp rank %d/%d, pp rank %d/%d, writer=%s",
+             cfg.convention, cap.layer_ids, name, len(cap.handles), ", traced into torch.compile" if compiled else "",
+             tp.rank, tp.size, pp_rank, pp_size, writer)
+    return cap
+
+
+def enable_device(cap: Any, vc: Any) -> str:
+    """The capture path for CUDA tensors: ``device`` (kernel + arena + async copies), ``host`` (copies in
+    the hook; slow, correct) or ``none`` (the model is not on CUDA)."""
+    if not torch.cuda.is_available() or getattr(vc.device_config, "device_type", "cuda") != "cuda":
+        return "none"
+    mode = envs.get("HSCAPTURE_DEVICE_PATH")
+    if mode == "off":
+        return "host"
+    from .cuda_libs import preload_nvrtc
+
+    preload_nvrtc()
+    rows = int(vc.scheduler_config.max_num_batched_tokens)
+    overlap = bool(envs.get("HSCAPTURE_DEVICE_OVERLAP"))
+    try:
+        # The assembler's ring (ranks that only verify need one buffer), plus the step in flight.
+        ring = ((assembly_ring() if cap.session.background else 0) or 1) + int(overlap)
+        arch = cap.session.enable_device(torch.cuda.current_device(), rows, ring, overlap)
+    except HscaptureError as e:
+        if mode == "required":
+            raise
+        log.warning("hscapture: the CUDA capture path is unavailable (%s); copying to the host in the hook", e)
+        return "host"
+    cap.overlap = overlap
+    log.info("hscapture: CUDA capture kernel built for %s; device arena %.1f MiB for %d rows; %d pinned host "
+             "buffer(s), assembly %s, steps %s", arch, cap.session.device_bytes / 2**20, rows, ring,
+             "on the assembler thread" if cap.session.background else "inline",
+             "overlapped" if overlap else "collected when the next begins")
+    return "device"
+
+
+def install_hooks(cap: Any, vc: Any, layers: Any, points: list, compiled: bool) -> None:
+    """Eager: the hooks call the capture. Compiled: they call hscapture's ops (traced.py), each tap carrying
+    its slot's capture point so that a graph built for other points (vLLM's compile cache) is refused
+    instead of filing one layer's states under another's id. On failure nothing stays installed or active."""
+    try:
+        on_capture, on_positions = cap.on_capture, cap.on_positions
+        if compiled:
+            from . import traced
+
+            traced.ensure_ops()
+            codes = tuple(traced.point_code(kind, k) for kind, k in points)
+            cap.traced_points = codes
+            if isinstance(getattr(vc, "additional_config", None), dict):
+                # vLLM keys its compile cache on a hash of the config; settings given by environment
+                # variables alone would not be in it
+                vc.additional_config["hscapture_traced_points"] = list(codes)
+            on_capture = lambda slot, h, r, codes=codes: traced.tap(h, r, slot, codes[slot])  # noqa: E731
+            on_positions = traced.positions
+        cap.handles = hooks.install(layers, points, on_capture)
+        if cap.tp.size > 1:  # a sharded residual stream exists only across TP ranks
+            cap.handles += hooks.install_positions_probe(layers, on_positions)
+        if compiled:
+            traced.activate(cap.on_traced, cap.on_positions)
+            cap.traced_active = True
+    except BaseException:
+        for h in cap.handles:
+            h.remove()
+        cap.handles = []
+        cap.session.finish()
+        raise

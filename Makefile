@@ -25,8 +25,11 @@ test-unit: ## Python unit tests only (needs setup)
 test-integration: ## integration tests with real vLLM on CPU only (needs setup)
 	$(PY) -m pytest tests/integration -q
 
-lint: ## clippy on the workspace
+lint: ## clippy, rustfmt and ruff (format and lint): what CI checks
 	cargo clippy --workspace --all-targets --features hscapture-worker/python -- -D warnings
+	cargo fmt --all --check
+	$(VENV)/bin/ruff format --check python tests bench
+	$(VENV)/bin/ruff check python tests bench
 
 docs: ## regenerate docs/configuration.md from the environment-variable registry
 	$(PY) -m hscapture.envs > docs/configuration.md

@@ -28,19 +28,57 @@ HERE = Path(__file__).resolve().parent
 
 SHAPES = {
     # Llama-3-8B shape: hidden 4096, 32 layers
-    "llama8b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
-                "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-                "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
-                "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001},
+    "llama8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
     # DeepSeek-V3 shape, 8 layers: hidden 7168, MLA, 64 routed experts + 1 shared, sigmoid noaux_tc routing
-    "dsv3": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
-             "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 8,
-             "first_k_dense_replace": 1, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
-             "n_routed_experts": 64, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
-             "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
-             "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
-             "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True, "tie_word_embeddings": False,
-             "bos_token_id": 0, "eos_token_id": 1},
+    "dsv3": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 8,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "n_shared_experts": 1,
+        "n_routed_experts": 64,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "routed_scaling_factor": 2.5,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "torch_dtype": "bfloat16",
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    },
 }
 LAYERS = {"llama8b": "2,16,28,30", "dsv3": "1,3,5,6"}  # after-convention ids (vLLM's own path gets id+1)
 
@@ -77,9 +115,12 @@ def disk_ceiling(path: Path, gib: int = 2) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llama8b,dsv3")
-    ap.add_argument("--modes", default="plain,hscapture,vllm,python",
-                    help="also: hscapture_inline, hscapture_serial, hscapture_durable, plain_compiled, "
-                         "hscapture_compiled (torch.compile without CUDA graphs), plain_graphs (with them)")
+    ap.add_argument(
+        "--modes",
+        default="plain,hscapture,vllm,python",
+        help="also: hscapture_inline, hscapture_serial, hscapture_durable, plain_compiled, "
+        "hscapture_compiled (torch.compile without CUDA graphs), plain_graphs (with them)",
+    )
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--length", type=int, default=1024)
@@ -89,7 +130,10 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"D2H into pinned memory: {d2h_ceiling():.1f} GB/s; disk write with fdatasync: {disk_ceiling(out):.2f} GB/s", flush=True)
+    print(
+        f"D2H into pinned memory: {d2h_ceiling():.1f} GB/s; disk write with fdatasync: {disk_ceiling(out):.2f} GB/s",
+        flush=True,
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     for name in args.models.split(","):
         mdir = out / f"model-{name}"
@@ -99,8 +143,19 @@ def main() -> None:
         for mode in args.modes.split(","):
             run_out = out / f"run-{name}-{mode}"
             subprocess.run(["rm", "-rf", str(run_out)])
-            cmd = [sys.executable, str(HERE / "gpu_run.py"), mode, str(mdir), str(run_out), str(args.prompts), str(args.batch),
-                   str(args.length), LAYERS[name], str(args.rounds), str(args.tp)]
+            cmd = [
+                sys.executable,
+                str(HERE / "gpu_run.py"),
+                mode,
+                str(mdir),
+                str(run_out),
+                str(args.prompts),
+                str(args.batch),
+                str(args.length),
+                LAYERS[name],
+                str(args.rounds),
+                str(args.tp),
+            ]
             t = time.perf_counter()
             r = subprocess.run(cmd, capture_output=True, text=True, env=env)
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("BENCH_JSON ")]
@@ -108,7 +163,7 @@ def main() -> None:
                 tail = "\n".join((r.stdout + r.stderr).splitlines()[-25:])
                 print(f"[{name}/{mode}] FAILED after {time.perf_counter() - t:.0f} s:\n{tail}", flush=True)
                 continue
-            res = json.loads(line[-1][len("BENCH_JSON "):])
+            res = json.loads(line[-1][len("BENCH_JSON ") :])
             results[mode] = res
             du = subprocess.run(["du", "-sb", str(run_out)], capture_output=True, text=True).stdout.split()
             res["bytes"] = int(du[0]) if du else 0
@@ -118,9 +173,12 @@ def main() -> None:
                 part = (res.get("drain_parts") or [None] * (k + 1))[k] or {}
                 split = f" = assemble {part['assemble']:.3f} + write {part['write']:.3f}" if part else ""
                 tail = f"; waiting for files after the last step {res['drains'][k]:.3f} s{split}"
-            print(f"[{name}/{mode}] {res['tokens'] / res['seconds']:,.0f} tok/s (rounds {', '.join(f'{x:.2f}' for x in res['rounds'])} s{tail}; "
-                  f"{res['bytes'] / 2**30:.2f} GiB on disk{'; path ' + res['device_path'] if 'device_path' in res else ''}; "
-                  f"process {time.perf_counter() - t:.0f} s)", flush=True)
+            print(
+                f"[{name}/{mode}] {res['tokens'] / res['seconds']:,.0f} tok/s (rounds {', '.join(f'{x:.2f}' for x in res['rounds'])} s{tail}; "
+                f"{res['bytes'] / 2**30:.2f} GiB on disk{'; path ' + res['device_path'] if 'device_path' in res else ''}; "
+                f"process {time.perf_counter() - t:.0f} s)",
+                flush=True,
+            )
             subprocess.run(["rm", "-rf", str(run_out)])
         # Ratios to plain eager prefill, and (compiled modes) to plain compiled prefill without CUDA graphs.
         for ref in ("plain", "plain_compiled"):
@@ -128,12 +186,23 @@ def main() -> None:
                 continue
             label = name if ref == "plain" else f"{name} vs {ref}"
             base = results[ref]["tokens"] / results[ref]["seconds"]
-            print(f"== {label}: " + ", ".join(f"{m} {r['tokens'] / r['seconds'] / base:.3f}x" for m, r in results.items()), flush=True)
+            print(
+                f"== {label}: "
+                + ", ".join(f"{m} {r['tokens'] / r['seconds'] / base:.3f}x" for m, r in results.items()),
+                flush=True,
+            )
             # The same runs up to the last step's end (without the wait for its files): the steady-state cost.
-            steps = {m: min(a - b for a, b in zip(r["rounds"], r["drains"])) for m, r in results.items() if r.get("drains")}
+            steps = {
+                m: min(a - b for a, b in zip(r["rounds"], r["drains"], strict=True))
+                for m, r in results.items()
+                if r.get("drains")
+            }
             if steps:
-                print(f"== {label}, up to the last step: " + ", ".join(f"{m} {results[m]['tokens'] / s / base:.3f}x" for m, s in steps.items()),
-                      flush=True)
+                print(
+                    f"== {label}, up to the last step: "
+                    + ", ".join(f"{m} {results[m]['tokens'] / s / base:.3f}x" for m, s in steps.items()),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

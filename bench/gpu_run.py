@@ -21,9 +21,20 @@ if __name__ == "__main__":
 
     from vllm import LLM, SamplingParams
 
-    kw = dict(model=model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-              max_model_len=length + 16, max_num_seqs=batch, max_num_batched_tokens=batch * length,
-              gpu_memory_utilization=0.85, enable_prefix_caching=False, seed=0, tensor_parallel_size=tp)
+    kw = dict(
+        model=model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        max_model_len=length + 16,
+        max_num_seqs=batch,
+        max_num_batched_tokens=batch * length,
+        gpu_memory_utilization=0.85,
+        enable_prefix_caching=False,
+        seed=0,
+        tensor_parallel_size=tp,
+    )
     if os.environ.get("HSBENCH_ASYNC") in ("0", "1"):  # vLLM's asynchronous scheduling forced off/on (every mode)
         kw["async_scheduling"] = os.environ["HSBENCH_ASYNC"] == "1"
     if mode.endswith("_compiled"):  # vLLM's torch.compile (Inductor) without CUDA graphs; hscapture's opt-in
@@ -38,23 +49,38 @@ if __name__ == "__main__":
         os.environ["HSCAPTURE_DEVICE_OVERLAP"] = "0"
     if mode.startswith("hscapture"):
         kw["worker_cls"] = "hscapture.worker.CaptureWorker"
-        kw["additional_config"] = {"hscapture": {"layers": ids, "convention": "after", "out": out,
-                                                 "durable": mode == "hscapture_durable", "writer_queue": 64}}
+        kw["additional_config"] = {
+            "hscapture": {
+                "layers": ids,
+                "convention": "after",
+                "out": out,
+                "durable": mode == "hscapture_durable",
+                "writer_queue": 64,
+            }
+        }
         if os.environ.get("HSBENCH_WRITERS"):  # default: hscapture's own (one thread per core, 4 to 16)
             kw["additional_config"]["hscapture"]["writer_threads"] = int(os.environ["HSBENCH_WRITERS"])
     elif mode == "python":
         os.environ["HSBENCH_LAYERS"], os.environ["HSBENCH_OUT"] = layers, out
         kw["worker_cls"] = "py_capture_worker.PyCaptureWorker"
     elif mode == "vllm":
-        kw["speculative_config"] = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids]}}}
-        kw["kv_transfer_config"] = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                                    "kv_connector_extra_config": {"shared_storage_path": out}}
+        kw["speculative_config"] = {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids]}},
+        }
+        kw["kv_transfer_config"] = {
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": out},
+        }
         kw["enable_chunked_prefill"] = False
     llm = LLM(**kw)
     cfg = json.load(open(os.path.join(model, "config.json")))
     rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(10, cfg["vocab_size"]) for _ in range(length)]} for _ in range(n_prompts)]
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(10, cfg["vocab_size"]) for _ in range(length)]} for _ in range(n_prompts)
+    ]
     sp = SamplingParams(max_tokens=1, detokenize=False)
     llm.generate(prompts[:batch], sp, use_tqdm=False)  # warm-up
     if mode.startswith("hscapture"):
@@ -70,8 +96,14 @@ if __name__ == "__main__":
             parts.append(res[0].get("seconds") if res else None)
         per.append(time.perf_counter() - t0)
         drains.append(time.perf_counter() - t1)  # the run's tail: the last step's copy, assembly and writes
-    info = {"mode": mode, "tokens": n_prompts * length, "seconds": min(per), "rounds": per, "drains": drains,
-            "drain_parts": parts}
+    info = {
+        "mode": mode,
+        "tokens": n_prompts * length,
+        "seconds": min(per),
+        "rounds": per,
+        "drains": drains,
+        "drain_parts": parts,
+    }
     if mode.startswith("hscapture"):
         info["device_path"] = path
     print("BENCH_JSON " + json.dumps(info), flush=True)

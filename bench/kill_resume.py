@@ -27,9 +27,28 @@ CMD = [sys.executable, "-m", "hscapture.cli.main"]
 
 
 def extract_args(model, inp, out, *extra):
-    return CMD + ["extract", "--model", str(model), "--input", str(inp), "--out", str(out), "--layers", "1,2,4",
-                  "--convention", "before", "--dtype", "float32", "--store-dtype", "bfloat16",
-                  "--max-num-batched-tokens", "2048", "--log-every", "10", *extra]
+    return CMD + [
+        "extract",
+        "--model",
+        str(model),
+        "--input",
+        str(inp),
+        "--out",
+        str(out),
+        "--layers",
+        "1,2,4",
+        "--convention",
+        "before",
+        "--dtype",
+        "float32",
+        "--store-dtype",
+        "bfloat16",
+        "--max-num-batched-tokens",
+        "2048",
+        "--log-every",
+        "10",
+        *extra,
+    ]
 
 
 def count(out: Path) -> int:
@@ -51,8 +70,8 @@ def main() -> int:
     ap.add_argument("--log", default="/tmp/research/issue6-run.txt")
     args = ap.parse_args()
 
-    from hscapture.testing import tiny
     from hscapture.cli.demo import cache_dir
+    from hscapture.testing import tiny
 
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -69,11 +88,25 @@ def main() -> int:
     inp = work / "prompts.jsonl"
     with inp.open("w") as f:
         for _ in range(args.prompts):
-            f.write(json.dumps({"token_ids": [rng.randrange(4, tiny.VOCAB) for _ in range(rng.randint(args.min_len, args.max_len))]}) + "\n")
-    say(f"# {args.prompts} prompts of {args.min_len}-{args.max_len} tokens, tiny llama ({model}), CPU, {os.cpu_count()} cores")
+            f.write(
+                json.dumps(
+                    {
+                        "token_ids": [
+                            rng.randrange(4, tiny.VOCAB) for _ in range(rng.randint(args.min_len, args.max_len))
+                        ]
+                    }
+                )
+                + "\n"
+            )
+    say(
+        f"# {args.prompts} prompts of {args.min_len}-{args.max_len} tokens, tiny llama ({model}), CPU, {os.cpu_count()} cores"
+    )
 
     full, cut = work / "full", work / "cut"
-    say("\n## 1. uninterrupted run (stdout not a terminal: plain log lines)\n$ " + shlex.join(extract_args(model, inp, full)[2:]))
+    say(
+        "\n## 1. uninterrupted run (stdout not a terminal: plain log lines)\n$ "
+        + shlex.join(extract_args(model, inp, full)[2:])
+    )
     t0 = time.time()
     r = subprocess.run(extract_args(model, inp, full), capture_output=True, text=True)
     say(r.stdout.rstrip())
@@ -84,28 +117,34 @@ def main() -> int:
 
     say(f"\n## 2. the same run, killed with SIGKILL (process group) at ~{args.kill_at:.0%} of the files")
     killed_log = open(work / "killed-run.log", "w")
-    p = subprocess.Popen(extract_args(model, inp, cut), stdout=killed_log, stderr=subprocess.STDOUT,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        extract_args(model, inp, cut), stdout=killed_log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     target = int(args.prompts * args.kill_at)
     while count(cut) < target and p.poll() is None:
         time.sleep(0.02)
     if p.poll() is not None:
-        say(f"the run ended (exit {p.returncode}) before the kill; its output:\n"
-            + (work / "killed-run.log").read_text()[-3000:])
+        say(
+            f"the run ended (exit {p.returncode}) before the kill; its output:\n"
+            + (work / "killed-run.log").read_text()[-3000:]
+        )
         return 1
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     partial = [f.name for f in (cut / "hidden_states").iterdir() if ".partial-" in f.name]
-    say(f"killed with {count(cut)} of {args.prompts} files written, {len(partial)} partial (hidden) files, "
-        f"manifest written: {(cut / 'manifest.json').exists()}")
+    say(
+        f"killed with {count(cut)} of {args.prompts} files written, {len(partial)} partial (hidden) files, "
+        f"manifest written: {(cut / 'manifest.json').exists()}"
+    )
 
     say("\n## 3. resumed under a pseudo-terminal (what a user sees: the progress bar, then the report)")
     resume = shlex.join(extract_args(model, inp, cut, "--resume"))
     say("$ " + shlex.join(extract_args(model, inp, cut, "--resume")[2:]))
     t0 = time.time()
     # A 120x40 terminal (script's pseudo-terminal has no size of its own); vLLM's stderr chatter left out.
-    r = subprocess.run(["script", "-qec", "stty cols 120 rows 40; " + resume + " 2>/dev/null", "/dev/null"],
-                       capture_output=True)  # bytes: text mode would turn the bar's \r into \n
+    r = subprocess.run(
+        ["script", "-qec", "stty cols 120 rows 40; " + resume + " 2>/dev/null", "/dev/null"], capture_output=True
+    )  # bytes: text mode would turn the bar's \r into \n
     (work / "resume-screen.raw").write_bytes(r.stdout)
     screen = r.stdout.decode(errors="replace").replace("\r\n", "\n")
     frames = [[ln for ln in x.splitlines() if "samples [" in ln][-1] for x in screen.split("\r") if "samples [" in x]
@@ -118,7 +157,10 @@ def main() -> int:
         return 1
 
     say("\n## 4. comparison")
-    a, b = sorted(p.name for p in (full / "hidden_states").iterdir()), sorted(p.name for p in (cut / "hidden_states").iterdir())
+    a, b = (
+        sorted(p.name for p in (full / "hidden_states").iterdir()),
+        sorted(p.name for p in (cut / "hidden_states").iterdir()),
+    )
     same_files = a == b == sorted(f"hs_{i}.safetensors" for i in range(args.prompts))
     ca, cb = checksums(full), checksums(cut)
     differ = sorted(i for i in ca if ca[i] != cb.get(i))
@@ -133,8 +175,10 @@ def main() -> int:
             x = load_sample(full / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"].float()
             y = load_sample(cut / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"].float()
             worst = max(worst, float(((x - y).norm(dim=-1) / y.norm(dim=-1).clamp_min(1e-12)).max()))
-        say(f"  the {len(differ)} differing samples (first {differ[:8]}): worst relative difference {worst:.2e} "
-            "(a request batched differently on CPU; bf16 storage)")
+        say(
+            f"  the {len(differ)} differing samples (first {differ[:8]}): worst relative difference {worst:.2e} "
+            "(a request batched differently on CPU; bf16 storage)"
+        )
         values_ok = worst < 1e-2
     ok = same_files
     for out in (full, cut):
@@ -142,7 +186,9 @@ def main() -> int:
         say(f"$ hscapture verify {out}\n{v.stdout.rstrip()}")
         ok = ok and v.returncode == 0
     ok = ok and values_ok
-    say(f"\nRESULT: {'FAIL' if not ok else 'PASS' if not differ else 'PASS (same files; some values differ within 1e-2)'}")
+    say(
+        f"\nRESULT: {'FAIL' if not ok else 'PASS' if not differ else 'PASS (same files; some values differ within 1e-2)'}"
+    )
     return 0 if ok else 1
 
 

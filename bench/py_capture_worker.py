@@ -32,6 +32,7 @@ class PyCaptureWorker(_Base):
             if self._on:
                 h, r = out
                 self._grab.setdefault(i, []).append((h + r).clone())
+
         return f
 
     def execute_model(self, so, *a, **k):
@@ -47,7 +48,7 @@ class PyCaptureWorker(_Base):
             off = 0
             for rid in order:
                 n = so.num_scheduled_tokens[rid]
-                states = [c[off:off + n].cpu() for c in cat]
+                states = [c[off : off + n].cpu() for c in cat]
                 off += n
                 torch.save({"hidden_states": states}, os.path.join(self._out, f"{rid}-{self._n}.pt"))
             self._n += 1

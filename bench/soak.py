@@ -33,9 +33,17 @@ if __name__ == "__main__":
     runtime_env.apply(1)
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(model), dtype="float32", enforce_eager=True, enable_prefix_caching=False, max_model_len=128,
-              max_num_batched_tokens=512, worker_cls="hscapture.worker.CaptureWorker", disable_log_stats=True,
-              additional_config={"hscapture": {"layers": [1, 3], "convention": "after", "out": str(out), "durable": False}})
+    llm = LLM(
+        model=str(model),
+        dtype="float32",
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_model_len=128,
+        max_num_batched_tokens=512,
+        worker_cls="hscapture.worker.CaptureWorker",
+        disable_log_stats=True,
+        additional_config={"hscapture": {"layers": [1, 3], "convention": "after", "out": str(out), "durable": False}},
+    )
     rng = random.Random(0)
     curve, records, t0 = [], [], time.perf_counter()
     for start in range(0, args.requests, args.batch):
@@ -48,14 +56,25 @@ if __name__ == "__main__":
                 records += r["records"]
         st = llm.collective_rpc("hscapture_stats")[0]
         curve.append(st["rss"] / 2**20)
-        print(f"[soak] {start + n:6d} requests, {len(records)} files, worker RSS {curve[-1]:7.1f} MiB, "
-              f"held {st.get('held_bytes', 0) / 2**20:.1f} MiB, {time.perf_counter() - t0:.0f} s", flush=True)
+        print(
+            f"[soak] {start + n:6d} requests, {len(records)} files, worker RSS {curve[-1]:7.1f} MiB, "
+            f"held {st.get('held_bytes', 0) / 2**20:.1f} MiB, {time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
     fin = [r for r in llm.collective_rpc("hscapture_finish") if r and r.get("writer")][0]
     records += fin["records"]
     w = fin
-    manifest = {"format": "hscapture/1", "model": str(model), "layer_ids": w["layer_ids"], "convention": w["convention"],
-                "dtype": w["dtype"], "hidden_size": w["hidden_size"], "num_hidden_layers": w["num_hidden_layers"],
-                "tensor_parallel_size": 1, "samples": records}
+    manifest = {
+        "format": "hscapture/1",
+        "model": str(model),
+        "layer_ids": w["layer_ids"],
+        "convention": w["convention"],
+        "dtype": w["dtype"],
+        "hidden_size": w["hidden_size"],
+        "num_hidden_layers": w["num_hidden_layers"],
+        "tensor_parallel_size": 1,
+        "samples": records,
+    }
     _native.write_manifest(str(out / "manifest.json"), json.dumps(manifest))
     print(f"[soak] resident memory after each batch (MiB): {', '.join(f'{x:.0f}' for x in curve)}")
     print(f"[soak] growth first→last batch: {curve[-1] - curve[0]:+.1f} MiB; files {len(records)} of {args.requests}")

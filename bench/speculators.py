@@ -24,10 +24,23 @@ HERE = Path(__file__).resolve().parent
 
 
 def run(mode: str, args, prompts_file: Path) -> dict:
-    cmd = [sys.executable, "-m", "hscapture.cli.main", "run-speculators"] + (["--own-extension"] if mode == "speculators" else []) + [
-        str(HERE / "spec_bench_driver.py"), args.model, str(prompts_file), str(args.tp), str(args.batch), args.layers]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([args.speculators, os.environ.get("PYTHONPATH", "")]),
-           "VLLM_LOGGING_LEVEL": "WARNING"}
+    cmd = (
+        [sys.executable, "-m", "hscapture.cli.main", "run-speculators"]
+        + (["--own-extension"] if mode == "speculators" else [])
+        + [
+            str(HERE / "spec_bench_driver.py"),
+            args.model,
+            str(prompts_file),
+            str(args.tp),
+            str(args.batch),
+            args.layers,
+        ]
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([args.speculators, os.environ.get("PYTHONPATH", "")]),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
     env.pop("HSCAPTURE_SPECULATORS", None)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
@@ -48,7 +61,9 @@ def main() -> None:
     args = ap.parse_args()
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     rng = random.Random(0)
-    prompts = [[rng.randrange(4, cfg["vocab_size"]) for _ in range(args.length)] for _ in range(args.prompts + args.batch)]
+    prompts = [
+        [rng.randrange(4, cfg["vocab_size"]) for _ in range(args.length)] for _ in range(args.prompts + args.batch)
+    ]
     with tempfile.TemporaryDirectory() as d:
         pf = Path(d) / "prompts.json"
         pf.write_text(json.dumps(prompts))
@@ -56,14 +71,18 @@ def main() -> None:
         for _ in range(args.rounds):
             for mode in results:
                 results[mode].append(run(mode, args, pf))
-    print(f"model {args.model}, {args.prompts} prompts x {args.length} tokens, batch {args.batch}, TP {args.tp}, "
-          f"layers {args.layers}, {args.rounds} rounds (best of each)")
+    print(
+        f"model {args.model}, {args.prompts} prompts x {args.length} tokens, batch {args.batch}, TP {args.tp}, "
+        f"layers {args.layers}, {args.rounds} rounds (best of each)"
+    )
     best = {}
     for mode, rs in results.items():
         r = max(rs, key=lambda x: x["tokens"] / x["seconds"])
         best[mode] = r["tokens"] / r["seconds"]
-        print(f"  {mode:12s} {best[mode]:10,.0f} tokens/s   peak RSS driver {max(x['peak_driver_rss'] for x in rs) / 2**20:7.0f} MiB, "
-              f"largest worker {max(x['peak_worker_rss'] for x in rs) / 2**20:7.0f} MiB")
+        print(
+            f"  {mode:12s} {best[mode]:10,.0f} tokens/s   peak RSS driver {max(x['peak_driver_rss'] for x in rs) / 2**20:7.0f} MiB, "
+            f"largest worker {max(x['peak_worker_rss'] for x in rs) / 2**20:7.0f} MiB"
+        )
     print(f"  ratio hscapture / speculators: {best['hscapture'] / best['speculators']:.3f}")
 
 

@@ -25,8 +25,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from gpu import LAYERS, SHAPES  # noqa: E402
 
-REDUCED = {"llama8b": {"num_hidden_layers": 4}, "dsv3": {"num_hidden_layers": 4, "n_routed_experts": 16, "n_group": 4,
-                                                        "topk_group": 2}}
+REDUCED = {
+    "llama8b": {"num_hidden_layers": 4},
+    "dsv3": {"num_hidden_layers": 4, "n_routed_experts": 16, "n_group": 4, "topk_group": 2},
+}
 IDS = {"llama8b": [0, 1, 2, 3], "dsv3": [0, 1, 2, 3]}
 
 
@@ -52,13 +54,36 @@ def build(name: str, mdir: Path) -> None:
 
 
 def capture(mdir: Path, out: Path, tp: int, prompts: Path, ids: list[int], dtype: str) -> None:
-    cmd = [sys.executable, "-m", "hscapture", "extract", "--model", str(mdir), "--input", str(prompts), "--out", str(out),
-           "--convention", "after", "--layers", ",".join(map(str, ids)), "--tp", str(tp), "--dtype", dtype,
-           "--max-num-batched-tokens", "2048", "--no-fsync", "--overwrite"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hscapture",
+        "extract",
+        "--model",
+        str(mdir),
+        "--input",
+        str(prompts),
+        "--out",
+        str(out),
+        "--convention",
+        "after",
+        "--layers",
+        ",".join(map(str, ids)),
+        "--tp",
+        str(tp),
+        "--dtype",
+        dtype,
+        "--max-num-batched-tokens",
+        "2048",
+        "--no-fsync",
+        "--overwrite",
+    ]
     env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0", "HSCAPTURE_DEVICE_PATH": "required"}
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
-        raise SystemExit(f"TP={tp} capture of {mdir.name} failed:\n" + "\n".join((r.stdout + r.stderr).splitlines()[-30:]))
+        raise SystemExit(
+            f"TP={tp} capture of {mdir.name} failed:\n" + "\n".join((r.stdout + r.stderr).splitlines()[-30:])
+        )
 
 
 def main() -> None:
@@ -82,29 +107,43 @@ def main() -> None:
         rng = random.Random(3)
         lens = [rng.choice([7, 63, 300, 1000, 2500]) + rng.randrange(20) for _ in range(args.prompts)]
         pfile = out / f"prompts-{name}.jsonl"
-        pfile.write_text("".join(json.dumps({"token_ids": [rng.randrange(10, vocab) for _ in range(n)]}) + "\n" for n in lens))
+        pfile.write_text(
+            "".join(json.dumps({"token_ids": [rng.randrange(10, vocab) for _ in range(n)]}) + "\n" for n in lens)
+        )
         runs = {}
         for tp in (1, args.tp):
             run_dir = out / f"{name}-{args.dtype}-tp{tp}"
             capture(mdir, run_dir, tp, pfile, IDS[name], args.dtype)
-            runs[tp] = [load_sample(run_dir / "hidden_states" / f"hs_{i}.safetensors")
-                        for i in range(args.prompts)]
+            runs[tp] = [load_sample(run_dir / "hidden_states" / f"hs_{i}.safetensors") for i in range(args.prompts)]
         import torch
 
         from hscapture.testing.compare import relative_errors
 
-        errs = torch.cat([relative_errors(a["hidden_states"], b["hidden_states"]) for a, b in zip(runs[args.tp], runs[1])])
+        errs = torch.cat(
+            [
+                relative_errors(a["hidden_states"], b["hidden_states"])
+                for a, b in zip(runs[args.tp], runs[1], strict=True)
+            ]
+        )
         for k in range(errs.shape[1]):
             e = errs[:, k]
-            print(f"TP_EQUAL {name} {args.dtype} layer slot {k} (after-layer id {IDS[name][k]}): worst {float(e.max()):.2e}, "
-                  f"median {float(e.median()):.2e}, p99 {float(e.quantile(0.99)):.2e}, tokens above {args.tol:g}: "
-                  f"{int((e > args.tol).sum())} of {e.numel()}", flush=True)
-        same_tokens = all(a["token_ids"].tolist() == b["token_ids"].tolist() for a, b in zip(runs[1], runs[args.tp]))
+            print(
+                f"TP_EQUAL {name} {args.dtype} layer slot {k} (after-layer id {IDS[name][k]}): worst {float(e.max()):.2e}, "
+                f"median {float(e.median()):.2e}, p99 {float(e.quantile(0.99)):.2e}, tokens above {args.tol:g}: "
+                f"{int((e > args.tol).sum())} of {e.numel()}",
+                flush=True,
+            )
+        same_tokens = all(
+            a["token_ids"].tolist() == b["token_ids"].tolist() for a, b in zip(runs[1], runs[args.tp], strict=True)
+        )
         cmp = compare([s["hidden_states"] for s in runs[args.tp]], [s["hidden_states"] for s in runs[1]])
         ok = same_tokens and cmp.ok(args.tol)
-        print(f"TP_EQUAL {name}: TP={args.tp} vs TP=1, {args.prompts} prompts, {cmp.tokens} tokens x {len(IDS[name])} layers "
-              f"(layers {LAYERS[name]} not used: reduced depth), token ids equal {same_tokens}, worst relative error "
-              f"{cmp.worst:.2e} at (sample, token, layer) {cmp.where}: {'OK' if ok else 'FAIL'}", flush=True)
+        print(
+            f"TP_EQUAL {name}: TP={args.tp} vs TP=1, {args.prompts} prompts, {cmp.tokens} tokens x {len(IDS[name])} layers "
+            f"(layers {LAYERS[name]} not used: reduced depth), token ids equal {same_tokens}, worst relative error "
+            f"{cmp.worst:.2e} at (sample, token, layer) {cmp.where}: {'OK' if ok else 'FAIL'}",
+            flush=True,
+        )
         if not ok:
             bad.append(name)
     sys.exit(1 if bad else 0)

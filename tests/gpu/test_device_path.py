@@ -21,18 +21,27 @@ def sched(new=(), cached=(), n=None, finished=()):
     from types import SimpleNamespace as NS
 
     cached = list(cached)
-    return NS(scheduled_new_reqs=list(new),
-              scheduled_cached_reqs=NS(req_ids=[c[0] for c in cached], num_computed_tokens=[c[1] for c in cached],
-                                       resumed_req_ids=set()),
-              num_scheduled_tokens=dict(n or {}), total_num_scheduled_tokens=sum((n or {}).values()),
-              finished_req_ids=set(finished), preempted_req_ids=set())
+    return NS(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=NS(
+            req_ids=[c[0] for c in cached], num_computed_tokens=[c[1] for c in cached], resumed_req_ids=set()
+        ),
+        num_scheduled_tokens=dict(n or {}),
+        total_num_scheduled_tokens=sum((n or {}).values()),
+        finished_req_ids=set(finished),
+        preempted_req_ids=set(),
+    )
 
 
 def new_req(rid, length, sample):
     from types import SimpleNamespace as NS
 
-    return NS(req_id=rid, prompt_token_ids=list(range(length)), num_computed_tokens=0,
-              sampling_params=NS(extra_args={"hscapture_sample": sample}))
+    return NS(
+        req_id=rid,
+        prompt_token_ids=list(range(length)),
+        num_computed_tokens=0,
+        sampling_params=NS(extra_args={"hscapture_sample": sample}),
+    )
 
 
 def make_steps(seed: int, n_req: int = 12, budget: int = 96):
@@ -87,10 +96,16 @@ def nvrtc():
     preload_nvrtc()
 
 
-@pytest.mark.parametrize("in_dtype,out_dtype", [(a, b) for a in ("float32", "bfloat16", "float16") for b in ("float32", "bfloat16", "float16")])
+@pytest.mark.parametrize(
+    "in_dtype,out_dtype",
+    [(a, b) for a in ("float32", "bfloat16", "float16") for b in ("float32", "bfloat16", "float16")],
+)
 @pytest.mark.parametrize("residual", [True, False])
-@pytest.mark.parametrize("ring,overlap", [(0, False), (0, True), (2, True), (3, False)],
-                         ids=["inline", "inline-overlap", "ring2-overlap", "ring3"])
+@pytest.mark.parametrize(
+    "ring,overlap",
+    [(0, False), (0, True), (2, True), (3, False)],
+    ids=["inline", "inline-overlap", "ring2-overlap", "ring3"],
+)
 def test_device_equals_cpu_twin_bit_for_bit(in_dtype, out_dtype, residual, ring, overlap):
     """The kernel equals its CPU twin through whole sessions; with a ring, the pinned buffers are read on the
     assembler thread while later steps copy into the others; with overlap, a step begins and is launched
@@ -126,7 +141,9 @@ def test_device_equals_cpu_twin_bit_for_bit(in_dtype, out_dtype, residual, ring,
     if ring:
         dev.set_background(ring)
     dev_out, dev_samples = run(dev, steps, lambda rows, slot: next(it), device=True)
-    assert [o[:3] for o in cpu_out] == [o[:3] for o in dev_out], "step checksums (or rows) differ between the kernel and its CPU twin"
+    assert [o[:3] for o in cpu_out] == [o[:3] for o in dev_out], (
+        "step checksums (or rows) differ between the kernel and its CPU twin"
+    )
     assert sorted(cpu_samples) == sorted(dev_samples)
     for k in cpu_samples:
         assert cpu_samples[k]["data"] == dev_samples[k]["data"], f"sample {k} differs"

@@ -15,8 +15,9 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("runner,compiled", [("0", False), ("1", False), ("0", True)],
-                         ids=["v1-runner", "v2-runner", "v1-compiled"])
+@pytest.mark.parametrize(
+    "runner,compiled", [("0", False), ("1", False), ("0", True)], ids=["v1-runner", "v2-runner", "v1-compiled"]
+)
 def test_gpu_capture_matches_transformers(tmp_path, tiny_model, monkeypatch, runner, compiled):
     """``v1-compiled``: vLLM's torch.compile (Inductor) without CUDA graphs, the opt-in HSCAPTURE_CUDA_COMPILE;
     the hooks are traced into the graph and the taps must run in every captured step."""
@@ -33,20 +34,40 @@ def test_gpu_capture_matches_transformers(tmp_path, tiny_model, monkeypatch, run
     model = tiny_model("llama")
     rng = random.Random(3)
     ps = [[rng.randrange(4, 1024) for _ in range(n)] for n in (5, 40, 77, 12, 64, 1, 130)]
-    rep = run_extract(ExtractOptions(model=model, prompts=ps, out=str(tmp_path / "out"), convention="before",
-                                     layers=[0, 2, 4], tp=1, dtype="float32", max_num_batched_tokens=48,
-                                     progress=False, durable=False, compile=compiled,
-                                     llm_kwargs={"gpu_memory_utilization": 0.3, "max_num_seqs": 8, **extra}))
+    rep = run_extract(
+        ExtractOptions(
+            model=model,
+            prompts=ps,
+            out=str(tmp_path / "out"),
+            convention="before",
+            layers=[0, 2, 4],
+            tp=1,
+            dtype="float32",
+            max_num_batched_tokens=48,
+            progress=False,
+            durable=False,
+            compile=compiled,
+            llm_kwargs={"gpu_memory_utilization": 0.3, "max_num_seqs": 8, **extra},
+        )
+    )
     import json
 
     man = json.loads((tmp_path / "out" / "manifest.json").read_text())
     got = sorted((r["index"], r["length"]) for r in man["samples"])
     assert rep.samples == len(ps) and rep.device_path == "device", f"{rep}; records (index, length) {got}"
-    ours = [load_sample(tmp_path / "out" / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"] for i in range(len(ps))]
+    ours = [
+        load_sample(tmp_path / "out" / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"] for i in range(len(ps))
+    ]
     cmp = compare(ours, reference.compute(model, ps, rep.layer_ids, "before"))
     if compiled:
-        assert rep.traced_calls and rep.traced_calls % 3 == 0, f"taps of the compiled graph in captured steps: {rep.traced_calls}"
-    print(f"GPU_ORACLE runner V{int(runner) + 1}{' compiled' if compiled else ''} worst relative error {cmp.worst:.2e} at {cmp.where}")
+        assert rep.traced_calls and rep.traced_calls % 3 == 0, (
+            f"taps of the compiled graph in captured steps: {rep.traced_calls}"
+        )
+    print(
+        f"GPU_ORACLE runner V{int(runner) + 1}{' compiled' if compiled else ''} worst relative error {cmp.worst:.2e} at {cmp.where}"
+    )
     assert cmp.ok(5e-3), f"worst relative error {cmp.worst:.2e} at {cmp.where}"
-    shifted = compare(ours, reference.compute(model, ps, [i + 1 for i in rep.layer_ids[:-1]] + [rep.layer_ids[-1]], "before"))
+    shifted = compare(
+        ours, reference.compute(model, ps, [i + 1 for i in rep.layer_ids[:-1]] + [rep.layer_ids[-1]], "before")
+    )
     assert shifted.worst > 0.05, f"a shifted layer passed ({shifted.worst:.2e})"

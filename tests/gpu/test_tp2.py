@@ -23,10 +23,24 @@ def _extract(tmp_path, name, model, ps, tp, **kw):
     from hscapture import load_sample
     from hscapture.cli.extract import ExtractOptions, run_extract
 
-    rep = run_extract(ExtractOptions(model=model, prompts=ps, out=str(tmp_path / name), convention="after", layers=[0, 2, 3],
-                                     tp=tp, dtype="float32", max_num_batched_tokens=64, progress=False, durable=False,
-                                     llm_kwargs={"gpu_memory_utilization": 0.3, "max_num_seqs": 8, **kw}))
-    return rep, [load_sample(tmp_path / name / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"] for i in range(len(ps))]
+    rep = run_extract(
+        ExtractOptions(
+            model=model,
+            prompts=ps,
+            out=str(tmp_path / name),
+            convention="after",
+            layers=[0, 2, 3],
+            tp=tp,
+            dtype="float32",
+            max_num_batched_tokens=64,
+            progress=False,
+            durable=False,
+            llm_kwargs={"gpu_memory_utilization": 0.3, "max_num_seqs": 8, **kw},
+        )
+    )
+    return rep, [
+        load_sample(tmp_path / name / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"] for i in range(len(ps))
+    ]
 
 
 def _prompts():

@@ -11,7 +11,6 @@ import os
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -52,16 +51,32 @@ def test_hscapture_equals_vllms_own_extraction(tmp_path, tiny_model, monkeypatch
     (tmp_path / "prompts.json").write_text(json.dumps(ps))
     script = tmp_path / "own.py"
     script.write_text(f"LAYERS = {LAYERS}\n" + _OWN)
-    r = subprocess.run([sys.executable, str(script), model, str(tmp_path / "own"), str(tmp_path / "prompts.json")],
-                       capture_output=True, text=True, env={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
+    r = subprocess.run(
+        [sys.executable, str(script), model, str(tmp_path / "own"), str(tmp_path / "prompts.json")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"},
+    )
     line = [x for x in r.stdout.splitlines() if x.startswith("OWN_PATHS ")]
     if r.returncode != 0 or not line:
         pytest.fail("vLLM's own extraction failed:\n" + "\n".join((r.stdout + r.stderr).splitlines()[-25:]))
-    own_paths = json.loads(line[0][len("OWN_PATHS "):])
+    own_paths = json.loads(line[0][len("OWN_PATHS ") :])
     assert all(own_paths), f"vLLM's own extraction reported no file for some requests: {own_paths}"
-    rep = run_extract(ExtractOptions(model=model, prompts=ps, out=str(tmp_path / "ours"), convention="before",
-                                     layers=LAYERS, tp=1, dtype="float32", max_num_batched_tokens=256, progress=False,
-                                     durable=False, llm_kwargs={"gpu_memory_utilization": 0.3, "max_num_seqs": 8}))
+    rep = run_extract(
+        ExtractOptions(
+            model=model,
+            prompts=ps,
+            out=str(tmp_path / "ours"),
+            convention="before",
+            layers=LAYERS,
+            tp=1,
+            dtype="float32",
+            max_num_batched_tokens=256,
+            progress=False,
+            durable=False,
+            llm_kwargs={"gpu_memory_utilization": 0.3, "max_num_seqs": 8},
+        )
+    )
     assert rep.layer_ids == LAYERS
     ours, theirs = [], []
     for i, path in enumerate(own_paths):
@@ -72,6 +87,8 @@ def test_hscapture_equals_vllms_own_extraction(tmp_path, tiny_model, monkeypatch
         ours.append(s["hidden_states"])
         theirs.append(t["hidden_states"])
     cmp = compare(ours, theirs)
-    exact = all(bool((a == b).all()) for a, b in zip(ours, theirs))
-    print(f"SECOND_ORACLE vLLM's own extraction vs hscapture: worst relative error {cmp.worst:.2e}, bit-identical {exact}")
+    exact = all(bool((a == b).all()) for a, b in zip(ours, theirs, strict=True))
+    print(
+        f"SECOND_ORACLE vLLM's own extraction vs hscapture: worst relative error {cmp.worst:.2e}, bit-identical {exact}"
+    )
     assert cmp.ok(5e-3), f"worst relative error {cmp.worst:.2e} at {cmp.where}"

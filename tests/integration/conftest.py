@@ -17,4 +17,3 @@ os.environ["PYTHONPATH"] = str(HERE) + (os.pathsep + os.environ["PYTHONPATH"] if
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-

@@ -7,7 +7,6 @@ import sys
 from hscapture.capture import WorkerCapture
 from hscapture.worker import CaptureWorker
 
-
 _TRACE = os.environ.get("HSCAPTURE_TEST_TRACE") == "1"  # prints what the perturbed rank captured and checked
 
 
@@ -31,14 +30,18 @@ class ShiftedLayersWorker(CaptureWorker):
 
 
 class _PerturbedRank1(WorkerCapture):
-    def _capture(self, slot, hidden, residual):
+    def capture(self, slot, hidden, residual):
         if self.tp.rank == 1:
             hidden = hidden.clone()
             hidden[0, 0] += 1.0  # one value differs on one rank: the replicated stream is not replicated
         if _TRACE:
-            print(f"[trace rank {self.tp.rank}/{self.tp.size}] capture slot {slot} path {self.device_path} "
-                  f"rows {tuple(hidden.shape)} {hidden.device} h00={float(hidden[0, 0]):.4f}", file=sys.stderr, flush=True)
-        super()._capture(slot, hidden, residual)
+            print(
+                f"[trace rank {self.tp.rank}/{self.tp.size}] capture slot {slot} path {self.device_path} "
+                f"rows {tuple(hidden.shape)} {hidden.device} h00={float(hidden[0, 0]):.4f}",
+                file=sys.stderr,
+                flush=True,
+            )
+        super().capture(slot, hidden, residual)
 
 
 class PerturbedRankWorker(CaptureWorker):
@@ -56,14 +59,14 @@ class _NaNInSample1(WorkerCapture):
             if sample_index(r.sampling_params) == 1:
                 self._poisoned = r.req_id
 
-    def _capture(self, slot, hidden, residual):
+    def capture(self, slot, hidden, residual):
         target = getattr(self, "_poisoned", None)
         order = self.step_order()
         if target in order and self._scheduled.get(target, 0) > 0:
             at = sum(self._scheduled.get(r, 0) for r in order[: order.index(target)])
             hidden = hidden.clone()
             hidden[at, 3] = float("nan")
-        super()._capture(slot, hidden, residual)
+        super().capture(slot, hidden, residual)
 
 
 class NaNWorker(CaptureWorker):

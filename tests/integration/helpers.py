@@ -18,9 +18,21 @@ def extract(tmp_path: Path, model: str, ps, *, tp: int, convention: str, layers,
     from hscapture import load_sample
     from hscapture.cli.extract import ExtractOptions, run_extract
 
-    rep = run_extract(ExtractOptions(model=model, prompts=ps, out=str(tmp_path / "out"), convention=convention,
-                                     layers=layers, tp=tp, dtype="float32", max_num_batched_tokens=chunk,
-                                     progress=False, durable=False, **kw))
+    rep = run_extract(
+        ExtractOptions(
+            model=model,
+            prompts=ps,
+            out=str(tmp_path / "out"),
+            convention=convention,
+            layers=layers,
+            tp=tp,
+            dtype="float32",
+            max_num_batched_tokens=chunk,
+            progress=False,
+            durable=False,
+            **kw,
+        )
+    )
     samples = [load_sample(tmp_path / "out" / "hidden_states" / f"hs_{i}.safetensors") for i in range(len(ps))]
     return rep, samples
 
@@ -36,7 +48,7 @@ def assert_matches_reference(tmp_path: Path, model: str, ps, rep, samples, layer
     from hscapture.testing.compare import compare
 
     assert rep.samples == len(ps) and rep.tokens == sum(map(len, ps))
-    for p, s in zip(ps, samples):
+    for p, s in zip(ps, samples, strict=True):
         assert s["token_ids"].tolist() == p
         assert tuple(s["hidden_states"].shape) == (len(p), len(layers), 128)
     cmp = compare([s["hidden_states"] for s in samples], reference(tmp_path, model, ps, rep.layer_ids, convention))

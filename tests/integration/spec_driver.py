@@ -19,7 +19,7 @@ if __name__ == "__main__":
         kwargs["max_num_batched_tokens"] = int(max_batched)  # speculators 0.4; 0.3 always uses >= 8192
     gen = VllmHiddenStatesGenerator(model, **kwargs)
     tensors = {}
-    for batch, ps in enumerate([prompts[: len(prompts) // 2], prompts[len(prompts) // 2:]]):
+    for batch, ps in enumerate([prompts[: len(prompts) // 2], prompts[len(prompts) // 2 :]]):
         for i, r in enumerate(gen.generate(ps)):
             tensors[f"b{batch}_s{i}_input_ids"] = r["input_ids"]
             for k, h in enumerate(r["hidden_states"]):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from helpers import prompts
+
 from support import MOE_FLOAT32_REASON, moe_float32_runs
 
 pytestmark = pytest.mark.integration
@@ -27,9 +28,25 @@ def test_extract_writes_files_and_manifest_then_refuses_to_overwrite(tmp_path, t
     ps = prompts(3, lengths=(9, 33, 4))
     inp.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in ps))
     out = tmp_path / "out"
-    args = ["extract", "--model", model, "--input", str(inp), "--out", str(out), "--layers", "3,1",
-            "--convention", "after", "--dtype", "float32", "--store-dtype", "bfloat16",
-            "--max-num-batched-tokens", "16"]
+    args = [
+        "extract",
+        "--model",
+        model,
+        "--input",
+        str(inp),
+        "--out",
+        str(out),
+        "--layers",
+        "3,1",
+        "--convention",
+        "after",
+        "--dtype",
+        "float32",
+        "--store-dtype",
+        "bfloat16",
+        "--max-num-batched-tokens",
+        "16",
+    ]
     # vLLM's own engine arguments pass through (checked against its EngineArgs); two requests per step at most
     r = run(args + ["--vllm-arg", "max_num_seqs=2", "--vllm-arg", "enable-chunked-prefill=true", "--trust-remote-code"])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -47,24 +64,46 @@ def test_extract_writes_files_and_manifest_then_refuses_to_overwrite(tmp_path, t
     assert again.returncode == 2 and "OutputError" in again.stderr and "--overwrite" in again.stderr
 
 
-@pytest.mark.parametrize("layers,convention,match", [
-    ("4", "after", "out of range for the `after` convention"),
-    ("1,1", "before", "listed twice"),
-    ("-1", "before", "negative"),
-])
+@pytest.mark.parametrize(
+    "layers,convention,match",
+    [
+        ("4", "after", "out of range for the `after` convention"),
+        ("1,1", "before", "listed twice"),
+        ("-1", "before", "negative"),
+    ],
+)
 def test_bad_layer_ids_fail_before_vllm_starts(tmp_path, tiny_model, layers, convention, match):
     inp = tmp_path / "p.jsonl"
     inp.write_text('{"token_ids": [5, 6]}\n')
-    r = run(["extract", "--model", tiny_model("llama"), "--input", str(inp), "--out", str(tmp_path / "o"),
-             f"--layers={layers}", "--convention", convention], timeout=60)
+    r = run(
+        [
+            "extract",
+            "--model",
+            tiny_model("llama"),
+            "--input",
+            str(inp),
+            "--out",
+            str(tmp_path / "o"),
+            f"--layers={layers}",
+            "--convention",
+            convention,
+        ],
+        timeout=60,
+    )
     assert r.returncode == 2 and "ConfigError" in r.stderr and match in r.stderr, r.stderr
 
 
 @pytest.mark.skipif(not moe_float32_runs(), reason=MOE_FLOAT32_REASON)
 def test_demo(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "hscapture.cli.main", "demo", "--out", str(tmp_path / "demo")],
-                       capture_output=True, text=True, env={**os.environ, "HSCAPTURE_CACHE": os.environ.get(
-                           "HSCAPTURE_CACHE", str(Path.home() / ".cache" / "hscapture"))})
+    r = subprocess.run(
+        [sys.executable, "-m", "hscapture.cli.main", "demo", "--out", str(tmp_path / "demo")],
+        capture_output=True,
+        text=True,
+        env={
+            **os.environ,
+            "HSCAPTURE_CACHE": os.environ.get("HSCAPTURE_CACHE", str(Path.home() / ".cache" / "hscapture")),
+        },
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "PASS" in r.stdout and "samples     12" in r.stdout
 
@@ -75,12 +114,19 @@ def test_prefix_caching_is_refused_with_a_typed_error(tmp_path, tiny_model):
     from helpers import extract
 
     from hscapture import AttributionError
-
     from support import vllm_version
 
     shared = prompts(11, lengths=(48,))[0]  # one whole cached block either way
     ps = [shared + [5, 6], shared + [7, 8, 9]]
     block = 16 if vllm_version() < (0, 20) else 32  # CPU attention: 16 on 0.16; multiples of 32 on 0.32
     with pytest.raises(AttributionError, match="prefix caching"):
-        extract(tmp_path, tiny_model("llama"), ps, tp=1, convention="after", layers=[1], chunk=64,
-                llm_kwargs={"enable_prefix_caching": True, "max_num_seqs": 1, "block_size": block})
+        extract(
+            tmp_path,
+            tiny_model("llama"),
+            ps,
+            tp=1,
+            convention="after",
+            layers=[1],
+            chunk=64,
+            llm_kwargs={"enable_prefix_caching": True, "max_num_seqs": 1, "block_size": block},
+        )

@@ -26,9 +26,26 @@ def run(*args, **kw):
 
 
 def extract(model, inp, out, *extra):
-    return run("extract", "--model", model, "--input", inp, "--out", out, "--layers", ",".join(map(str, LAYERS)),
-               "--convention", "before", "--dtype", "float32", "--store-dtype", "bfloat16",
-               "--max-num-batched-tokens", "32", *extra)
+    return run(
+        "extract",
+        "--model",
+        model,
+        "--input",
+        inp,
+        "--out",
+        out,
+        "--layers",
+        ",".join(map(str, LAYERS)),
+        "--convention",
+        "before",
+        "--dtype",
+        "float32",
+        "--store-dtype",
+        "bfloat16",
+        "--max-num-batched-tokens",
+        "32",
+        *extra,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +112,12 @@ def test_speculators_training_reads_it(prepared):
     if path is None or not (path / "hs_connectors").is_dir():
         pytest.skip("speculators 0.9.0 + hs-connectors 0.9.0 are not installed in <venv>/speculators-0.9.0")
     _, d, ids, masks, _ = prepared
-    r = subprocess.run([sys.executable, "-c", READER, str(d)], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(path)})
+    r = subprocess.run(
+        [sys.executable, "-c", READER, str(d)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(path)},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     items = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(items) == ROWS

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 from helpers import TOL, assert_matches_reference, extract, prompts, reference
 
-from support import MOE_FLOAT32_REASON, moe_float32_runs
-
 from hscapture.testing.compare import compare
+from support import MOE_FLOAT32_REASON, moe_float32_runs
 
 pytestmark = pytest.mark.integration
 
@@ -16,17 +15,31 @@ CASES = [
     # model, tp, convention, layers
     ("llama", 1, "before", [0, 2, 4]),
     ("llama", 2, "after", [0, 1, 3]),
-    pytest.param("deepseek_v2", 1, "after", [0, 2, 3],
-                 marks=pytest.mark.skipif(not moe_float32_runs(), reason=MOE_FLOAT32_REASON)),
+    pytest.param(
+        "deepseek_v2",
+        1,
+        "after",
+        [0, 2, 3],
+        marks=pytest.mark.skipif(not moe_float32_runs(), reason=MOE_FLOAT32_REASON),
+    ),
     # MoE at TP=2 in float32: the experts are split across the ranks and reduced; what hscapture captures must
     # still equal transformers token by token (on the H200s, bf16 TP=2 vs TP=1 differs on a few MoE tokens and
     # MLA has no float32 kernel there, so this is where the float32 MoE TP=2 check runs)
-    pytest.param("deepseek_v2", 2, "after", [0, 2, 3],
-                 marks=pytest.mark.skipif(not moe_float32_runs(), reason=MOE_FLOAT32_REASON)),
+    pytest.param(
+        "deepseek_v2",
+        2,
+        "after",
+        [0, 2, 3],
+        marks=pytest.mark.skipif(not moe_float32_runs(), reason=MOE_FLOAT32_REASON),
+    ),
 ]
 
 
-@pytest.mark.parametrize("kind,tp,convention,layers", CASES, ids=["llama-tp1-before", "llama-tp2-after", "deepseek_v2-tp1-after", "deepseek_v2-tp2-after"])
+@pytest.mark.parametrize(
+    "kind,tp,convention,layers",
+    CASES,
+    ids=["llama-tp1-before", "llama-tp2-after", "deepseek_v2-tp1-after", "deepseek_v2-tp2-after"],
+)
 def test_matches_transformers(tmp_path, tiny_model, kind, tp, convention, layers):
     model = tiny_model(kind)
     ps = prompts(seed=tp)
@@ -46,5 +59,7 @@ def test_compiled_matches_transformers(tmp_path, tiny_model):
     ps = prompts(seed=5)
     rep, samples = extract(tmp_path, model, ps, tp=1, convention="before", layers=[0, 2, 4], compile=True)
     # every captured step: one tap per slot from the compiled graph (warm-up forwards are not counted)
-    assert rep.traced_calls and rep.traced_calls % 3 == 0, f"taps of the compiled graph in captured steps: {rep.traced_calls}"
+    assert rep.traced_calls and rep.traced_calls % 3 == 0, (
+        f"taps of the compiled graph in captured steps: {rep.traced_calls}"
+    )
     assert_matches_reference(tmp_path, model, ps, rep, samples, [0, 2, 4], "before")

@@ -22,8 +22,24 @@ CMD = [sys.executable, "-m", "hscapture.cli.main"]
 
 
 def extract_args(model, inp, out, *extra):
-    return CMD + ["extract", "--model", model, "--input", str(inp), "--out", str(out), "--layers", "1,3",
-                  "--convention", "after", "--dtype", "float32", "--max-num-batched-tokens", "32", *extra]
+    return CMD + [
+        "extract",
+        "--model",
+        model,
+        "--input",
+        str(inp),
+        "--out",
+        str(out),
+        "--layers",
+        "1,3",
+        "--convention",
+        "after",
+        "--dtype",
+        "float32",
+        "--max-num-batched-tokens",
+        "32",
+        *extra,
+    ]
 
 
 def files(out):
@@ -48,8 +64,12 @@ def test_kill_and_resume_gives_the_uninterrupted_files(tmp_path, tiny_model):
     # then, resumed, SIGKILL of the driver and vLLM's engine and worker processes.
     killed_with = 0
     for sig, extra, at in ((signal.SIGINT, (), 5), (signal.SIGKILL, ("--resume",), 20)):
-        p = subprocess.Popen(extract_args(model, inp, cut, *extra), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+        p = subprocess.Popen(
+            extract_args(model, inp, cut, *extra),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.time() + 240
         while time.time() < deadline and p.poll() is None:
             hs = cut / "hidden_states"
@@ -72,7 +92,7 @@ def test_kill_and_resume_gives_the_uninterrupted_files(tmp_path, tiny_model):
 
     r = subprocess.run(extract_args(model, inp, cut, "--resume"), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"finished earlier, kept" in r.stdout
+    assert "finished earlier, kept" in r.stdout
     assert files(cut) == files(full) == sorted(f"hs_{i}.safetensors" for i in range(len(ps)))
     for i, prompt in enumerate(ps):
         a = load_sample(cut / "hidden_states" / f"hs_{i}.safetensors")

@@ -42,10 +42,32 @@ def test_vllm_serve_captures_each_request(tmp_path, tiny_model):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "TORCHINDUCTOR_VEC_ISA_OK": "1"}
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(
-        [str(vllm_cli), "serve", model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-         "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "128", "--max-num-batched-tokens", "32",
-         "--worker-cls", "hscapture.worker.CaptureWorker", "--additional-config", json.dumps(cfg)],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        [
+            str(vllm_cli),
+            "serve",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--no-enable-prefix-caching",
+            "--max-model-len",
+            "128",
+            "--max-num-batched-tokens",
+            "32",
+            "--worker-cls",
+            "hscapture.worker.CaptureWorker",
+            "--additional-config",
+            json.dumps(cfg),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 240
@@ -64,7 +86,9 @@ def test_vllm_serve_captures_each_request(tmp_path, tiny_model):
             ids.append(r["id"])
         journal = out / "records.jsonl"
         deadline = time.time() + 60
-        while not journal.exists() or len(journal.read_text().splitlines()) < len(ps):
+        while not journal.exists() or len(journal.read_text().splitlines()) < 1 + len(
+            ps
+        ):  # the identity, then a line each
             assert time.time() < deadline, f"journal has {journal.read_text() if journal.exists() else 'nothing'}"
             time.sleep(0.5)
     finally:
@@ -73,7 +97,8 @@ def test_vllm_serve_captures_each_request(tmp_path, tiny_model):
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
-    records = [json.loads(x) for x in journal.read_text().splitlines()]
+    identity, *records = [json.loads(x) for x in journal.read_text().splitlines()]
+    assert identity["identity"]["layer_ids"] == [0, 2] and identity["identity"]["format"] == "hscapture"
     assert len(records) == len(ps) and all("request_id" in r and "index" not in r for r in records)
     by_tokens = {}
     for r in records:

@@ -42,11 +42,14 @@ def test_without_loss_mask_every_token_counts(tmp_path):
     assert ps.loss_mask(0) is None
 
 
-@pytest.mark.parametrize("cols,match", [
-    ({"seq_len": [3, 2, 4]}, r"row 1 of .*: seq_len 2 but 1 input_ids"),
-    ({"loss_mask": [[1, 1, 1], [1, 1], [1, 1, 1, 1]]}, r"row 1 of .*: 2 loss_mask values for 1 input_ids"),
-    ({"input_ids": [[1], [], [2]], "seq_len": None, "loss_mask": None}, r"row 1 of .* has no input_ids"),
-])
+@pytest.mark.parametrize(
+    "cols,match",
+    [
+        ({"seq_len": [3, 2, 4]}, r"row 1 of .*: seq_len 2 but 1 input_ids"),
+        ({"loss_mask": [[1, 1, 1], [1, 1], [1, 1, 1, 1]]}, r"row 1 of .*: 2 loss_mask values for 1 input_ids"),
+        ({"input_ids": [[1], [], [2]], "seq_len": None, "loss_mask": None}, r"row 1 of .* has no input_ids"),
+    ],
+)
 def test_inconsistent_datasets_are_refused(tmp_path, cols, match):
     with pytest.raises(ConfigError, match=match):
         open_input(save(tmp_path, **cols), tmp_path)

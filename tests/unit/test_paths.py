@@ -45,7 +45,9 @@ def test_ranks_on_the_same_path_agree():
 
 @pytest.mark.parametrize("peer,why", [(code("host"), r"rank 1: host"), (code("device", False), r"rank 1: device\)")])
 def test_a_rank_on_another_path_is_refused_by_name(peer, why):
-    with pytest.raises(CompatibilityError, match=rf"rank 0: device \(overlapped steps\); {why}.*HSCAPTURE_DEVICE_PATH=off"):
+    with pytest.raises(
+        CompatibilityError, match=rf"rank 0: device \(overlapped steps\); {why}.*HSCAPTURE_DEVICE_PATH=off"
+    ):
         capture(PeersTP([peer]), "device", True)._agree_on_path()
 
 

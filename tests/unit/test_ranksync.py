@@ -12,7 +12,7 @@ import torch
 from test_rpc import Worker
 from test_session import H, new_req, rows_tagged, sched
 
-from hscapture import HscaptureError, OutputError, PeerFailedError, RankMismatchError, ShapeContractError, failures
+from hscapture import HscaptureError, OutputError, RankMismatchError, ShapeContractError, failures
 
 
 class Exchange:
@@ -136,7 +136,9 @@ def steps(w, rank, got, hook_error_on=None, forward_error_on=None):
 def test_two_healthy_ranks_meet_alike_and_capture(tmp_path):
     ws, res = two_ranks(tmp_path, lambda w, r: None, steps)
     assert res[0] == res[1] == [("end a", "ok"), ("end b", "ok"), ("end c", "ok"), ("drain", "ok"), ("close", "ok")]
-    assert ws[0]._hscapture.sync.tp.log == ws[1]._hscapture.sync.tp.log == ["meet"] * 8  # 3 × (begin, end), drain, close
+    assert (
+        ws[0]._hscapture.sync.tp.log == ws[1]._hscapture.sync.tp.log == ["meet"] * 8
+    )  # 3 × (begin, end), drain, close
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -147,7 +149,10 @@ def test_a_hook_error_on_one_rank_stops_both_at_the_step_end(tmp_path, rank):
     assert ws[0]._hscapture.sync.tp.log == ws[1]._hscapture.sync.tp.log, "the same all-gathers on both ranks"
     assert mine[1][:2] == ("end b", "ShapeContractError") and "refused" not in mine[1][2], "the hook's own error"
     assert mine[2][:2] == ("begin c", "ShapeContractError") and "refused: this rank" in mine[2][2]
-    assert other[1][:2] == ("end b", "PeerFailedError") and f"tensor-parallel rank {rank} (global rank {rank}) failed" in other[1][2]
+    assert (
+        other[1][:2] == ("end b", "PeerFailedError")
+        and f"tensor-parallel rank {rank} (global rank {rank}) failed" in other[1][2]
+    )
     assert [x[0] for x in mine[2:]] == [x[0] for x in other[2:]] == ["begin c", "drain", "close"]
     assert mine[-1] == other[-1] == ("close", "ok"), "close never raises: both ranks go on alike"
     with pytest.raises(ShapeContractError, match=rf"raised by the worker of rank {rank}\]"):
@@ -159,10 +164,17 @@ def test_a_forward_that_raised_on_one_rank_stops_both_without_a_hang(tmp_path, r
     ws, res = two_ranks(tmp_path, lambda w, r: None, lambda w, r, got: steps(w, r, got, forward_error_on=(rank, "b")))
     mine, other = res[rank], res[1 - rank]
     assert not [x for x in mine + other if x[0] == "HANG"], res
-    assert ws[0]._hscapture.sync.tp.log == ws[1]._hscapture.sync.tp.log == ["meet"] * 7, "a, b: begin and end; c: begin; drain; close"
+    assert ws[0]._hscapture.sync.tp.log == ws[1]._hscapture.sync.tp.log == ["meet"] * 7, (
+        "a, b: begin and end; c: begin; drain; close"
+    )
     assert mine[1] == ("forward b", "raised")
-    assert mine[2][:2] == ("begin c", "HscaptureError") and mine[2][2].startswith("the forward of a step raised RuntimeError")
-    assert other[1][:2] == ("end b", "PeerFailedError") and f"tensor-parallel rank {rank} (global rank {rank}) failed" in other[1][2]
+    assert mine[2][:2] == ("begin c", "HscaptureError") and mine[2][2].startswith(
+        "the forward of a step raised RuntimeError"
+    )
+    assert (
+        other[1][:2] == ("end b", "PeerFailedError")
+        and f"tensor-parallel rank {rank} (global rank {rank}) failed" in other[1][2]
+    )
     assert mine[-1] == other[-1] == ("close", "ok")
     with pytest.raises(HscaptureError, match=rf"illegal memory access.*raised by the worker of rank {rank}\]"):
         failures.raise_recorded(tmp_path)
@@ -177,7 +189,10 @@ def test_a_writer_failure_on_rank_0_alone_stops_both_without_a_hang(tmp_path):
     assert not [x for x in res[0] + res[1] if x[0] == "HANG"], res
     assert ws[0]._hscapture.sync.tp.log == ws[1]._hscapture.sync.tp.log
     assert res[0][0][:2] == ("end a", "OutputError") and "No space left" in res[0][0][2]
-    assert res[1][0][:2] == ("end a", "PeerFailedError") and "tensor-parallel rank 0 (global rank 0) failed" in res[1][0][2]
+    assert (
+        res[1][0][:2] == ("end a", "PeerFailedError")
+        and "tensor-parallel rank 0 (global rank 0) failed" in res[1][0][2]
+    )
     with pytest.raises(OutputError, match="No space left"):
         failures.raise_recorded(tmp_path)
 
@@ -192,8 +207,12 @@ def test_a_divergent_rank_is_named_on_both(tmp_path):
     assert ws[0]._hscapture.sync.tp.log[:3] == ["meet", "meet", "checksum"], "digests differ: then the step's checksum"
     for got in res:
         assert got[0][:2] == ("end a", "RankMismatchError") and "ranks [1] disagree with rank 0" in got[0][2]
-        assert [x[:2] for x in got[1:]] == [("begin b", "RankMismatchError"), ("begin c", "RankMismatchError"),
-                                            ("drain", "RankMismatchError"), ("close", "ok")]
+        assert [x[:2] for x in got[1:]] == [
+            ("begin b", "RankMismatchError"),
+            ("begin c", "RankMismatchError"),
+            ("drain", "RankMismatchError"),
+            ("close", "ok"),
+        ]
 
 
 def _perturbed(capture):
@@ -217,9 +236,15 @@ def test_after_a_failed_step_every_later_step_and_result_is_refused():
     with pytest.raises(ShapeContractError, match="never reached its hook"):
         cap.end()  # slot 1 missing
     assert not cap.session.in_step
-    for fn in (lambda: w.step(sched(new=[new_req("c", [6, 7], None)], n={"c": 2}), ["c"]), cap.flush, cap.drain,
-               w._get_captured_states):
-        with pytest.raises(ShapeContractError, match=r"refused: this rank \(rank 0\) failed earlier.*never reached its hook"):
+    for fn in (
+        lambda: w.step(sched(new=[new_req("c", [6, 7], None)], n={"c": 2}), ["c"]),
+        cap.flush,
+        cap.drain,
+        w._get_captured_states,
+    ):
+        with pytest.raises(
+            ShapeContractError, match=r"refused: this rank \(rank 0\) failed earlier.*never reached its hook"
+        ):
             fn()
     cap.close()  # releases without raising
 

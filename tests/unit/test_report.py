@@ -34,8 +34,21 @@ def test_bar_shows_samples_rate_gigabytes_and_eta():
 
 
 def test_report_names_checks_shard_format_and_place():
-    r = ExtractReport(out="/o", samples=3, tokens=30, bytes=3 * 2**20, seconds=2.0, layer_ids=[1, 4], convention="before",
-                      dtype="bfloat16", shims=[], resumed=2, format="legacy", shard="1/4", checks=["a", "b"])
+    r = ExtractReport(
+        out="/o",
+        samples=3,
+        tokens=30,
+        bytes=3 * 2**20,
+        seconds=2.0,
+        layer_ids=[1, 4],
+        convention="before",
+        dtype="bfloat16",
+        shims=[],
+        resumed=2,
+        format="legacy",
+        shard="1/4",
+        checks=["a", "b"],
+    )
     text = "\n".join(r.lines())
     assert "samples     3 (+2 finished earlier, kept)" in text and "throughput  15 tokens/s (2.0 s capture)" in text
     r.steady_tokens_per_s = 1234.0
@@ -46,4 +59,3 @@ def test_report_names_checks_shard_format_and_place():
 
 def test_request_ids_map_back_to_rows():
     assert index_of("hs-12") == 12 and index_of("hs-12-9f3a2b1c") == 12 and index_of("other") is None
-

@@ -46,8 +46,12 @@ class Worker(HiddenStatesRPC):
 
 def test_before_setup_every_call_is_a_typed_error():
     w = HiddenStatesRPC()
-    for call in (w._reset_capture, w._get_captured_states, lambda: w._set_request_metadata({}),
-                 lambda: w._store_captured_states([])):
+    for call in (
+        w._reset_capture,
+        w._get_captured_states,
+        lambda: w._set_request_metadata({}),
+        lambda: w._store_captured_states([]),
+    ):
         with pytest.raises(ConfigError, match="_setup_hidden_states_capture"):
             call()
 
@@ -57,7 +61,9 @@ def two_steps(w, metadata: bool):
     w._reset_capture()
     if metadata:
         w._set_request_metadata({"a": 3, "b": 2})
-    w.step(sched(new=[new_req("a", [1, 2, 3], None), new_req("b", [4, 5, 6, 7, 8], None)], n={"a": 3, "b": 2}), ["b", "a"])
+    w.step(
+        sched(new=[new_req("a", [1, 2, 3], None), new_req("b", [4, 5, 6, 7, 8], None)], n={"a": 3, "b": 2}), ["b", "a"]
+    )
     if metadata:
         w._set_request_metadata({"b": 3})
     w.step(sched(cached=[("a", 3), ("b", 2)], n={"a": 1, "b": 3}), ["a", "b"])

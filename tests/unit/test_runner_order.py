@@ -19,10 +19,11 @@ class V2Runner:
         self.layout = layout
 
     def prepare_inputs(self, scheduler_output, *rest):
-        ids, counts = zip(*self.layout)
+        ids, counts = zip(*self.layout, strict=True)
         starts = np.concatenate([[0], np.cumsum(counts)])
-        return SimpleNamespace(req_ids=list(ids), num_reqs=len(ids), num_scheduled_tokens=np.array(counts),
-                               query_start_loc_np=starts)
+        return SimpleNamespace(
+            req_ids=list(ids), num_reqs=len(ids), num_scheduled_tokens=np.array(counts), query_start_loc_np=starts
+        )
 
 
 def test_v1_reads_the_persistent_batch():

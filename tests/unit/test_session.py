@@ -8,24 +8,38 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hscapture import (AttributionError, ConfigError, NonFiniteError, OutputError, RankMismatchError, ShapeContractError,
-                       _native, load_manifest, load_sample)
+from hscapture import (
+    AttributionError,
+    ConfigError,
+    NonFiniteError,
+    OutputError,
+    RankMismatchError,
+    ShapeContractError,
+    _native,
+    load_manifest,
+    load_sample,
+)
 from hscapture.vllm_compat import SAMPLE_KEY, step_args
 
 H = 8
 
 
 def new_req(rid, ids, sample, computed=0):
-    return SimpleNamespace(req_id=rid, prompt_token_ids=ids, num_computed_tokens=computed,
-                           sampling_params=SimpleNamespace(extra_args={SAMPLE_KEY: sample}))
+    return SimpleNamespace(
+        req_id=rid,
+        prompt_token_ids=ids,
+        num_computed_tokens=computed,
+        sampling_params=SimpleNamespace(extra_args={SAMPLE_KEY: sample}),
+    )
 
 
 def sched(new=(), cached=(), n=None, finished=(), resumed=()):
     cached = list(cached)
     return SimpleNamespace(
         scheduled_new_reqs=list(new),
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[c[0] for c in cached], num_computed_tokens=[c[1] for c in cached],
-                                              resumed_req_ids=set(resumed)),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[c[0] for c in cached], num_computed_tokens=[c[1] for c in cached], resumed_req_ids=set(resumed)
+        ),
         num_scheduled_tokens=dict(n or {}),
         total_num_scheduled_tokens=sum((n or {}).values()),
         finished_req_ids=set(finished),
@@ -34,8 +48,17 @@ def sched(new=(), cached=(), n=None, finished=(), resumed=()):
 
 
 def session(tmp_path=None, layers=(1, 3), assemble=True):
-    return _native.CaptureSession(list(layers), "after", 4, H, "float32", "float32", assemble=assemble,
-                                  out_dir=str(tmp_path) if tmp_path else None, durable=False)
+    return _native.CaptureSession(
+        list(layers),
+        "after",
+        4,
+        H,
+        "float32",
+        "float32",
+        assemble=assemble,
+        out_dir=str(tmp_path) if tmp_path else None,
+        durable=False,
+    )
 
 
 def run(s, so, order, make):
@@ -58,8 +81,12 @@ def rows_tagged(slot, rows):
 def test_chunked_prefill_assembles_each_request_in_prompt_order(tmp_path):
     s = session()
     # step 1: runner order b, a; a (3 tokens) whole, b first 2 of 5
-    _, _, rows, done = run(s, sched(new=[new_req("a", [1, 2, 3], 0), new_req("b", [4, 5, 6, 7, 8], 1)],
-                                    n={"a": 3, "b": 2}), ["b", "a"], rows_tagged)
+    _, _, rows, done = run(
+        s,
+        sched(new=[new_req("a", [1, 2, 3], 0), new_req("b", [4, 5, 6, 7, 8], 1)], n={"a": 3, "b": 2}),
+        ["b", "a"],
+        rows_tagged,
+    )
     assert (rows, done) == (5, 1)
     # step 2: b continues at 2 with 3 tokens; a decodes one token
     _, _, rows, done = run(s, sched(cached=[("a", 3), ("b", 2)], n={"a": 1, "b": 3}), ["a", "b"], rows_tagged)
@@ -83,8 +110,16 @@ def test_writer_files_and_manifest(tmp_path):
     sample = load_sample(tmp_path / recs[0]["file"])
     assert sample["hidden_states"].shape == (3, 2, H) and sample["token_ids"].tolist() == [1, 2, 3]
     assert sample["checksum"] == recs[0]["checksum"]
-    manifest = {"format": _native.MANIFEST_FORMAT, "model": "m", "layer_ids": [1, 3], "convention": "after", "dtype": "float32",
-                "hidden_size": H, "num_hidden_layers": 4, "samples": recs}
+    manifest = {
+        "format": _native.MANIFEST_FORMAT,
+        "model": "m",
+        "layer_ids": [1, 3],
+        "convention": "after",
+        "dtype": "float32",
+        "hidden_size": H,
+        "num_hidden_layers": 4,
+        "samples": recs,
+    }
     _native.write_manifest(str(tmp_path / "manifest.json"), json.dumps(manifest))
     assert load_manifest(tmp_path)["samples"][0]["length"] == 3
     (tmp_path / "manifest.json").write_text("{")
@@ -148,11 +183,22 @@ def test_real_vllm_scheduler_output_shape():
 
     from vllm import SamplingParams
 
-    new = build(out.NewRequestData, req_id="r0", prompt_token_ids=[5, 6, 7], num_computed_tokens=0,
-                sampling_params=SamplingParams(max_tokens=1, extra_args={SAMPLE_KEY: 4}))
+    new = build(
+        out.NewRequestData,
+        req_id="r0",
+        prompt_token_ids=[5, 6, 7],
+        num_computed_tokens=0,
+        sampling_params=SamplingParams(max_tokens=1, extra_args={SAMPLE_KEY: 4}),
+    )
     cached = out.CachedRequestData.make_empty()
-    so = build(out.SchedulerOutput, scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
-               num_scheduled_tokens={"r0": 3}, total_num_scheduled_tokens=3, finished_req_ids=set())
+    so = build(
+        out.SchedulerOutput,
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={"r0": 3},
+        total_num_scheduled_tokens=3,
+        finished_req_ids=set(),
+    )
     assert step_args(so) == ([("r0", [5, 6, 7], 0, 4, None)], [], [("r0", 3)], 3, [], [])
 
 
@@ -177,8 +223,18 @@ def test_compressed_output_reads_back_identical_and_verifies(tmp_path):
 
     so = sched(new=[new_req("a", list(range(1, 40)), 0)], n={"a": 39})
     for name, level in (("plain", None), ("packed", 3)):
-        s = _native.CaptureSession([1, 3], "after", 4, H, "float32", "bfloat16", assemble=True,
-                                   out_dir=str(tmp_path / name), durable=False, compress=level)
+        s = _native.CaptureSession(
+            [1, 3],
+            "after",
+            4,
+            H,
+            "float32",
+            "bfloat16",
+            assemble=True,
+            out_dir=str(tmp_path / name),
+            durable=False,
+            compress=level,
+        )
         run(s, so, ["a"], lambda slot, rows: torch.sin(rows_tagged(slot, rows) * 0.1))
         s.finish()
     a = load_sample(tmp_path / "plain" / "hidden_states" / "hs_0.safetensors")
@@ -187,13 +243,18 @@ def test_compressed_output_reads_back_identical_and_verifies(tmp_path):
     assert torch.equal(a["hidden_states"], b["hidden_states"]) and same[0] == same[1]
     assert b["metadata"]["hscapture.compression"] == "byteplane-zstd/1"
     with pytest.raises(ConfigError, match="zstd takes 1..=22"):
-        _native.CaptureSession([1], "after", 4, H, "float32", "float32", assemble=True, out_dir=str(tmp_path / "x"),
-                               compress=40)
+        _native.CaptureSession(
+            [1], "after", 4, H, "float32", "float32", assemble=True, out_dir=str(tmp_path / "x"), compress=40
+        )
 
 
 def _two_steps(s):
-    run(s, sched(new=[new_req("a", [1, 2, 3], 0), new_req("b", [4, 5, 6, 7, 8], 1)], n={"a": 3, "b": 2}), ["b", "a"],
-        rows_tagged)
+    run(
+        s,
+        sched(new=[new_req("a", [1, 2, 3], 0), new_req("b", [4, 5, 6, 7, 8], 1)], n={"a": 3, "b": 2}),
+        ["b", "a"],
+        rows_tagged,
+    )
     run(s, sched(cached=[("a", 3), ("b", 2)], n={"a": 1, "b": 3}), ["a", "b"], rows_tagged)
 
 

@@ -23,10 +23,27 @@ def make_shard(root, k, n, rows=ROWS, indices=None, fingerprint="xxh3:abc", dtyp
         f = root / "hidden_states" / f"hs_{i}.safetensors"
         save_file({"hidden_states": hs, "token_ids": torch.arange(i + 1, dtype=torch.int64)}, str(f))
         s = _native.read_sample(str(f))
-        records.append({"index": i, "file": f"hidden_states/hs_{i}.safetensors", "length": i + 1,
-                        "checksum": s["checksum"], "bytes": f.stat().st_size})
-    m = {"format": _native.MANIFEST_FORMAT, "model": "/models/tiny", "layer_ids": [1, 3], "convention": "after", "dtype": dtype,
-         "hidden_size": H, "num_hidden_layers": 4, "tensor_parallel_size": 1, "created_by": {}, "samples": records}
+        records.append(
+            {
+                "index": i,
+                "file": f"hidden_states/hs_{i}.safetensors",
+                "length": i + 1,
+                "checksum": s["checksum"],
+                "bytes": f.stat().st_size,
+            }
+        )
+    m = {
+        "format": _native.MANIFEST_FORMAT,
+        "model": "/models/tiny",
+        "layer_ids": [1, 3],
+        "convention": "after",
+        "dtype": dtype,
+        "hidden_size": H,
+        "num_hidden_layers": 4,
+        "tensor_parallel_size": 1,
+        "created_by": {},
+        "samples": records,
+    }
     _native.write_manifest(str(root / "manifest.json"), json.dumps(m))
     ShardInfo(k, n, rows, "in.jsonl", fingerprint, fmt).write(root)
     return root
@@ -59,7 +76,10 @@ def test_merge_links_every_file_and_writes_one_manifest(tmp_path):
     assert (rep.samples, rep.linked, rep.copied, rep.moved, rep.tokens) == (ROWS, ROWS, 0, 0, 15)
     m = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert [s["index"] for s in m["samples"]] == list(range(ROWS)) and m["created_by"]["merge"] == "2 shards"
-    assert os.stat(tmp_path / "out/hidden_states/hs_3.safetensors").st_ino == os.stat(s1 / "hidden_states/hs_3.safetensors").st_ino
+    assert (
+        os.stat(tmp_path / "out/hidden_states/hs_3.safetensors").st_ino
+        == os.stat(s1 / "hidden_states/hs_3.safetensors").st_ino
+    )
     samples, _, _, problems = _native.verify_dir(str(tmp_path / "out"))
     assert samples == ROWS and problems == []
     assert not (tmp_path / "out" / "shard.json").exists()
@@ -77,16 +97,19 @@ def test_merge_can_move_and_be_run_again_after_an_interruption(tmp_path):
     assert _native.verify_dir(str(out))[3] == []
 
 
-@pytest.mark.parametrize("case,match", [
-    ("dtype", r"differ in dtype"),
-    ("fingerprint", r"differ in input fingerprint"),
-    ("twice", r"shard 0/2 is given twice"),
-    ("missing_shard", r"shards \[1\] of 2 are missing"),
-    ("missing_index", r"1 of 5 rows have no sample in any shard \(first: \[3\]\).*--resume"),
-    ("foreign_index", r"lists sample 1, which is not a row of shard 0/3"),
-    ("unfinished", r"has no manifest.json: that shard did not finish.*--resume"),
-    ("not_a_shard", r"has no shard.json"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("dtype", r"differ in dtype"),
+        ("fingerprint", r"differ in input fingerprint"),
+        ("twice", r"shard 0/2 is given twice"),
+        ("missing_shard", r"shards \[1\] of 2 are missing"),
+        ("missing_index", r"1 of 5 rows have no sample in any shard \(first: \[3\]\).*--resume"),
+        ("foreign_index", r"lists sample 1, which is not a row of shard 0/3"),
+        ("unfinished", r"has no manifest.json: that shard did not finish.*--resume"),
+        ("not_a_shard", r"has no shard.json"),
+    ],
+)
 def test_merge_refuses(tmp_path, case, match):
     s0 = make_shard(tmp_path / "s0", 0, 2)
     second = {
@@ -95,7 +118,10 @@ def test_merge_refuses(tmp_path, case, match):
         "twice": lambda: make_shard(tmp_path / "s1", 0, 2),
         "missing_shard": None,
         "missing_index": lambda: make_shard(tmp_path / "s1", 1, 2, indices=[1]),
-        "foreign_index": lambda: (make_shard(tmp_path / "s1", 1, 2), make_shard(tmp_path / "s2", 0, 3, rows=ROWS, indices=[0, 1]))[1],
+        "foreign_index": lambda: (
+            make_shard(tmp_path / "s1", 1, 2),
+            make_shard(tmp_path / "s2", 0, 3, rows=ROWS, indices=[0, 1]),
+        )[1],
         "unfinished": lambda: (make_shard(tmp_path / "s1", 1, 2) / "manifest.json").unlink() or tmp_path / "s1",
         "not_a_shard": lambda: (make_shard(tmp_path / "s1", 1, 2) / "shard.json").unlink() or tmp_path / "s1",
     }[case]
@@ -126,14 +152,34 @@ def test_merge_legacy_shards(tmp_path):
     dirs = []
     for k in (0, 1):
         root = tmp_path / f"s{k}"
-        s = _native.CaptureSession([1, 3], "after", 4, H, "float32", "bfloat16", assemble=True, out_dir=str(root),
-                                   durable=False, format="legacy", model="/models/tiny")
+        s = _native.CaptureSession(
+            [1, 3],
+            "after",
+            4,
+            H,
+            "float32",
+            "bfloat16",
+            assemble=True,
+            out_dir=str(root),
+            durable=False,
+            format="legacy",
+            model="/models/tiny",
+        )
         for i in range(k, ROWS, 2):
-            r = SimpleNamespace(req_id=f"r{i}", prompt_token_ids=list(range(i + 1)), num_computed_tokens=0,
-                                sampling_params=SimpleNamespace(extra_args={SAMPLE_KEY: i}))
-            so = SimpleNamespace(scheduled_new_reqs=[r], num_scheduled_tokens={f"r{i}": i + 1}, total_num_scheduled_tokens=i + 1,
-                                 scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], resumed_req_ids=set()),
-                                 finished_req_ids=set(), preempted_req_ids=set())
+            r = SimpleNamespace(
+                req_id=f"r{i}",
+                prompt_token_ids=list(range(i + 1)),
+                num_computed_tokens=0,
+                sampling_params=SimpleNamespace(extra_args={SAMPLE_KEY: i}),
+            )
+            so = SimpleNamespace(
+                scheduled_new_reqs=[r],
+                num_scheduled_tokens={f"r{i}": i + 1},
+                total_num_scheduled_tokens=i + 1,
+                scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], resumed_req_ids=set()),
+                finished_req_ids=set(),
+                preempted_req_ids=set(),
+            )
             s.begin_step(*step_args(so))
             s.plan([f"r{i}"])
             for slot in range(2):
@@ -141,11 +187,30 @@ def test_merge_legacy_shards(tmp_path):
             s.end_step()
         records = sorted(s.finish(), key=lambda r: r["index"])
         meta = {"layer_ids": [1, 3], "convention": "after", "dtype": "bfloat16", "hidden_size": H}
-        m = {"format": _native.MANIFEST_FORMAT, "sample_format": "legacy", "model": "/models/tiny", **meta,
-             "num_hidden_layers": 4, "tensor_parallel_size": 1, "created_by": {}, "samples": records}
-        formats.get("legacy").write_documents(root, records, m, formats.RunInfo(
-            model="/models/tiny", input_path="in.jsonl", num_samples=len(records), seq_length=8, tp=1,
-            gpu_memory_utilization=None, durable=False))
+        m = {
+            "format": _native.MANIFEST_FORMAT,
+            "sample_format": "legacy",
+            "model": "/models/tiny",
+            **meta,
+            "num_hidden_layers": 4,
+            "tensor_parallel_size": 1,
+            "created_by": {},
+            "samples": records,
+        }
+        formats.get("legacy").write_documents(
+            root,
+            records,
+            m,
+            formats.RunInfo(
+                model="/models/tiny",
+                input_path="in.jsonl",
+                num_samples=len(records),
+                seq_length=8,
+                tp=1,
+                gpu_memory_utilization=None,
+                durable=False,
+            ),
+        )
         _native.write_manifest(str(root / "manifest.json"), json.dumps(m))
         ShardInfo(k, 2, ROWS, "in.jsonl", "xxh3:abc", "legacy").write(root)
         dirs.append(root)

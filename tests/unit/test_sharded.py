@@ -24,7 +24,7 @@ class ShardedTP:
     def shard(self, t):
         chunk = -(-t.shape[0] // self.size)
         padded = torch.cat([t, t.new_zeros(chunk * self.size - t.shape[0], *t.shape[1:])])
-        mine = padded[self.rank * chunk:(self.rank + 1) * chunk]
+        mine = padded[self.rank * chunk : (self.rank + 1) * chunk]
         self.whole[id(mine)] = padded
         return mine
 
@@ -75,7 +75,9 @@ def test_an_unknown_layout_is_refused_naming_layer_rank_and_shapes():
     w._hscapture.begin(so)
     h = torch.zeros(4, 8)
     w._hscapture.on_capture(0, h, h)  # a hook keeps its error for the step's end, where the ranks meet
-    with pytest.raises(ShapeContractError, match=r"layer id 1 \(after convention, slot 0\), tensor-parallel rank 1 of 4: 4 rows"):
+    with pytest.raises(
+        ShapeContractError, match=r"layer id 1 \(after convention, slot 0\), tensor-parallel rank 1 of 4: 4 rows"
+    ):
         w._hscapture.end()
 
 

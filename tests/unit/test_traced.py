@@ -13,7 +13,6 @@ from hscapture import CompatibilityError, traced
 from hscapture.hooks import install, install_positions_probe
 from hscapture.vllm_compat import compiled
 
-
 POINTS = [("layer_output", 0), ("embeddings", 0), ("layer_output", 2)]
 
 
@@ -29,8 +28,10 @@ def _traced_model(seen: list, counts: list, activate, points=POINTS):
     codes = tuple(traced.point_code(kind, k) for kind, k in points)
     install(m.model.layers, points, lambda slot, h, r: traced.tap(h, r, slot, codes[slot]))
     install_positions_probe(m.model.layers, traced.positions)
-    activate(lambda slot, point, h, r: seen.append((slot, point, (h if r is None else h + r).clone())),
-             lambda p: counts.append(int(p.shape[-1])))
+    activate(
+        lambda slot, point, h, r: seen.append((slot, point, (h if r is None else h + r).clone())),
+        lambda p: counts.append(int(p.shape[-1])),
+    )
     return m
 
 
@@ -56,7 +57,11 @@ def test_hooks_traced_into_a_full_graph_see_every_calls_tensors(backend, active)
     for scale in (1.0, 2.0):
         x = torch.arange(12, dtype=torch.float32).reshape(4, 3) * scale
         fn(x, torch.arange(4))
-    assert [(s, p) for s, p, _ in seen] == [(1, -1), (0, 0), (2, 2)] * 2  # the embeddings slot is read before layer 0 runs
+    assert [(s, p) for s, p, _ in seen] == [
+        (1, -1),
+        (0, 0),
+        (2, 2),
+    ] * 2  # the embeddings slot is read before layer 0 runs
     x1 = torch.arange(12, dtype=torch.float32).reshape(4, 3)
     torch.testing.assert_close(seen[0][2], x1)  # embeddings: the input, no residual yet
     torch.testing.assert_close(seen[3][2], 2 * x1)  # the second call's tensors, not the first's
@@ -79,8 +84,10 @@ def test_a_graph_built_for_other_capture_points_is_refused():
     cap.traced_points = tuple(traced.point_code(kind, k) for kind, k in cap.capture_points())
     cap.on_traced(0, traced.point_code("layer_output", 0), torch.zeros(2, 4), None)  # its own point: fine (no step)
     cap.on_traced(0, traced.point_code("layer_output", 1), torch.zeros(2, 4), None)  # kept for the next meeting
-    with pytest.raises(CompatibilityError, match="taps the output of decoder layer 1 for slot 0, but this capture reads "
-                                                  "the output of decoder layer 0"):
+    with pytest.raises(
+        CompatibilityError,
+        match="taps the output of decoder layer 1 for slot 0, but this capture reads the output of decoder layer 0",
+    ):
         cap.flush()
 
 

@@ -21,9 +21,7 @@ pub const fn element_term(bits: u64, j: usize) -> u64 {
 
 /// Checksum of one stored row, given the bit patterns of its elements in order.
 pub fn row_checksum(bits: impl IntoIterator<Item = u64>) -> u64 {
-    bits.into_iter()
-        .enumerate()
-        .fold(0u64, |acc, (j, b)| acc.wrapping_add(element_term(b, j)))
+    bits.into_iter().enumerate().fold(0u64, |acc, (j, b)| acc.wrapping_add(element_term(b, j)))
 }
 
 /// Contribution of a row checksum to a step checksum, keyed by the row's layer slot and its row

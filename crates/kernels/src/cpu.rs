@@ -110,10 +110,7 @@ pub fn capture_rows(
     check_capture(hidden, residual, runs, out.rows, width)?;
     let row_bytes = width * out.dtype.size();
     if out.data.len() < out.rows * row_bytes || out.row_sums.len() < out.rows || out.nonfinite.len() < out.rows {
-        return Err(KernelError(format!(
-            "target buffers are smaller than {} rows of {width} {} elements",
-            out.rows, out.dtype
-        )));
+        return Err(KernelError(format!("target buffers are smaller than {} rows of {width} {} elements", out.rows, out.dtype)));
     }
     for run in runs {
         for k in 0..run.len {

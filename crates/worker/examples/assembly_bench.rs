@@ -41,7 +41,15 @@ fn run(out: PathBuf, background: bool, steps: usize, fwd: Duration, reqs: usize,
         out_dtype: DType::BF16,
         assemble: true,
     };
-    let settings = OutputSettings { root: Some(out.clone()), format: "hscapture".into(), compress: None, model: "bench".into(), threads: 8, queue: 64, durable: false };
+    let settings = OutputSettings {
+        root: Some(out.clone()),
+        format: "hscapture".into(),
+        compress: None,
+        model: "bench".into(),
+        threads: 8,
+        queue: 64,
+        durable: false,
+    };
     // The worker's own path: the session feeding the writer (from the assembler thread, in the background).
     let mut s = WorkerSession::new(cfg, settings)?;
     if background {
@@ -50,7 +58,13 @@ fn run(out: PathBuf, background: bool, steps: usize, fwd: Duration, reqs: usize,
     let total = reqs * len;
     // One step of bf16 activations (values irrelevant, finite): [total, WIDTH].
     let rows: Vec<u16> = (0..total * WIDTH).map(|i| 0x3f80 + (i % 64) as u16).collect();
-    let desc = TensorDesc { ptr: rows.as_ptr() as usize, shape: vec![total, WIDTH], strides: vec![WIDTH as i64, 1], dtype: DType::BF16, device: Device::Cpu };
+    let desc = TensorDesc {
+        ptr: rows.as_ptr() as usize,
+        shape: vec![total, WIDTH],
+        strides: vec![WIDTH as i64, 1],
+        dtype: DType::BF16,
+        device: Device::Cpu,
+    };
     let mut per_step = Vec::with_capacity(steps);
     for step in 0..steps {
         let ids: Vec<String> = (0..reqs).map(|r| format!("s{step}r{r}")).collect();
@@ -58,7 +72,13 @@ fn run(out: PathBuf, background: bool, steps: usize, fwd: Duration, reqs: usize,
             new_requests: ids
                 .iter()
                 .enumerate()
-                .map(|(r, id)| NewRequest { req_id: id.clone(), prompt_token_ids: vec![1; len], num_computed_tokens: 0, sample: Some((step * reqs + r) as u64), loss_mask: None })
+                .map(|(r, id)| NewRequest {
+                    req_id: id.clone(),
+                    prompt_token_ids: vec![1; len],
+                    num_computed_tokens: 0,
+                    sample: Some((step * reqs + r) as u64),
+                    loss_mask: None,
+                })
                 .collect(),
             num_scheduled: ids.iter().map(|id| (id.clone(), len)).collect(),
             total_tokens: total,
@@ -109,7 +129,12 @@ fn main() {
                     let tail = &f.per_step[1..];
                     let mean = tail.iter().sum::<f64>() / tail.len() as f64;
                     let worst = tail.iter().cloned().fold(0.0, f64::max);
-                    println!("round {round} {name:>10}: worker {:.1} ms/step (worst {:.1}); drain {:.2} s", mean * 1e3, worst * 1e3, f.drain);
+                    println!(
+                        "round {round} {name:>10}: worker {:.1} ms/step (worst {:.1}); drain {:.2} s",
+                        mean * 1e3,
+                        worst * 1e3,
+                        f.drain
+                    );
                     let e = best.entry(name).or_insert((f64::MAX, 0.0, 0.0));
                     if mean < e.0 {
                         *e = (mean, worst, f.drain);

@@ -99,7 +99,11 @@ fn main() {
     let per = tokens * SLOTS * WIDTH * 2;
     let template = noise(per, 11);
     let total = n * per;
-    println!("{n} samples of {tokens} tokens × {SLOTS} layers × {WIDTH} bf16 ({:.0} MiB each, {:.2} GiB in all)", per as f64 / 1048576.0, total as f64 / 1073741824.0);
+    println!(
+        "{n} samples of {tokens} tokens × {SLOTS} layers × {WIDTH} bf16 ({:.0} MiB each, {:.2} GiB in all)",
+        per as f64 / 1048576.0,
+        total as f64 / 1073741824.0
+    );
     let measure = |ceilings: &mut Vec<f64>| match ceiling(&dir, total) {
         Ok(c) => {
             println!("ceiling: {c:.3} GB/s (one file, sequential, fdatasync)");

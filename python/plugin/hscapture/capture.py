@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -29,8 +30,19 @@ class WorkerCapture:
     ``order``: where the runner's request order is read (``vllm_compat.RunnerOrder``; None when the
     caller plans steps itself); ``writer``: whether this rank assembles and writes."""
 
-    def __init__(self, cfg: CaptureConfig, session: Any, sync: RankSync, order: Any = None, *, writer: bool = True,
-                 link: Any = None, num_hidden_layers: int = 0, hidden_size: int = 0, out_dtype: str = "") -> None:
+    def __init__(
+        self,
+        cfg: CaptureConfig,
+        session: Any,
+        sync: RankSync,
+        order: Any = None,
+        *,
+        writer: bool = True,
+        link: Any = None,
+        num_hidden_layers: int = 0,
+        hidden_size: int = 0,
+        out_dtype: str = "",
+    ) -> None:
         self.cfg = cfg
         self.session = session
         self.sync = sync
@@ -53,7 +65,7 @@ class WorkerCapture:
         self._forward_tokens = 0
 
     @classmethod
-    def from_worker(cls, worker: Any, cfg: CaptureConfig) -> "WorkerCapture":
+    def from_worker(cls, worker: Any, cfg: CaptureConfig) -> WorkerCapture:
         """The capture of a vLLM worker: its model's facts, the session, the capture path, the hooks."""
         from .wiring import build
 
@@ -105,8 +117,9 @@ class WorkerCapture:
         if hidden.shape[0] >= self._total:
             return hidden, residual
         where = f"layer id {self.layer_ids[slot]} ({self.cfg.convention} convention, slot {slot})"
-        chunk = _native.row_layout(int(hidden.shape[0]), self._forward_tokens or self._total, self._total,
-                                   self.tp.size, self.tp.rank, where)
+        chunk = _native.row_layout(
+            int(hidden.shape[0]), self._forward_tokens or self._total, self._total, self.tp.size, self.tp.rank, where
+        )
         if chunk is None:
             return hidden, residual
         return self.tp.gather_rows(hidden), (self.tp.gather_rows(residual) if residual is not None else None)
@@ -131,13 +144,15 @@ class WorkerCapture:
         if slot >= len(codes) or code != codes[slot]:
             from . import traced
 
-            self.sync.failed(CompatibilityError(
-                f"the compiled graph taps {traced.describe(code)} for slot {slot}, but this capture reads "
-                f"{traced.describe(codes[slot]) if slot < len(codes) else 'no such slot'} "
-                f"there (layer ids {self.layer_ids}, {self.cfg.convention} convention): vLLM loaded a torch.compile "
-                "artifact cached by a run with other capture settings; set VLLM_DISABLE_COMPILE_CACHE=1, or give the "
-                "settings in additional_config"
-            ))  # raised at the step's end (see on_capture); the driver re-raises it by type
+            self.sync.failed(
+                CompatibilityError(
+                    f"the compiled graph taps {traced.describe(code)} for slot {slot}, but this capture reads "
+                    f"{traced.describe(codes[slot]) if slot < len(codes) else 'no such slot'} "
+                    f"there (layer ids {self.layer_ids}, {self.cfg.convention} convention): vLLM loaded a torch.compile "
+                    "artifact cached by a run with other capture settings; set VLLM_DISABLE_COMPILE_CACHE=1, or give the "
+                    "settings in additional_config"
+                )
+            )  # raised at the step's end (see on_capture); the driver re-raises it by type
         elif self._active:
             self.traced_taps += 1
         self.on_capture(slot, hidden, residual)  # after a failure: only its collectives, no capture
@@ -187,10 +202,13 @@ class WorkerCapture:
             if isinstance(exc, HscaptureError):
                 self.sync.raised(exc)  # it is propagating now
             else:
-                self.sync.failed(HscaptureError(
-                    f"the forward of a step raised {type(exc).__name__}: {exc}; expected it to finish, since that "
-                    "step's prompt rows are now lost and its requests would have a gap, so this capture stops (fix "
-                    "the cause and re-run: the run resumes)"))
+                self.sync.failed(
+                    HscaptureError(
+                        f"the forward of a step raised {type(exc).__name__}: {exc}; expected it to finish, since that "
+                        "step's prompt rows are now lost and its requests would have a gap, so this capture stops (fix "
+                        "the cause and re-run: the run resumes)"
+                    )
+                )
         self.sync.start_failed()
 
     def flush(self) -> None:

@@ -66,10 +66,17 @@ class CaptureConfig:
         return _native.validate_layers(list(self.layers), self.convention, num_hidden_layers)
 
     def to_additional_config(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"layers": list(self.layers), "convention": self.convention, "dtype": self.dtype,
-                             "writer_threads": self.writer_threads, "writer_queue": self.writer_queue,
-                             "durable": self.durable, "on_nonfinite": self.on_nonfinite,
-                             "compress": self.compress, "format": self.format}
+        d: dict[str, Any] = {
+            "layers": list(self.layers),
+            "convention": self.convention,
+            "dtype": self.dtype,
+            "writer_threads": self.writer_threads,
+            "writer_queue": self.writer_queue,
+            "durable": self.durable,
+            "on_nonfinite": self.on_nonfinite,
+            "compress": self.compress,
+            "format": self.format,
+        }
         if self.out is not None:
             d["out"] = self.out
         if self.model_name:
@@ -82,8 +89,10 @@ def _coerce(key: str, value: Any, where: str):
         if key == "layers":
             if isinstance(value, str):
                 value = [int(x) for x in value.replace(" ", "").split(",") if x]
-            if isinstance(value, bool) or not isinstance(value, (list, tuple)) or not all(
-                isinstance(x, int) and not isinstance(x, bool) for x in value
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (list, tuple))
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in value)
             ):
                 raise ValueError
             return tuple(value)
@@ -121,7 +130,9 @@ def _coerce(key: str, value: Any, where: str):
             return v
         if key == "dtype":
             v = str(value).strip().lower().removeprefix("torch.")
-            v = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "float": "float32", "half": "float16"}.get(v, v)
+            v = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "float": "float32", "half": "float16"}.get(
+                v, v
+            )
             if v not in _DTYPES:
                 raise ValueError
             return v
@@ -131,13 +142,13 @@ def _coerce(key: str, value: Any, where: str):
             "layers": "a list of integer layer ids such as [2, 4, 5]",
             "convention": '"after" or "before"',
             "format": "hscapture (safetensors files, speculators' current training; also called file) or legacy "
-                      "(data_{i}.pt, speculators 0.3/0.4)",
+            "(data_{i}.pt, speculators 0.3/0.4)",
             "dtype": "auto, float32, bfloat16 or float16",
             "writer_threads": 'a positive integer or "auto" (one per CPU core, 4 to 16)',
             "writer_queue": "a positive integer",
             "compress": "0 (store states as they are) or a zstd level 1..22 (byte-plane split + zstd; 3 is a good default)",
             "on_nonfinite": '"error" (default: a NonFiniteError naming sample, layer and count) or "skip" (the sample is '
-                            'not written and is listed in the manifest)',
+            "not written and is listed in the manifest)",
         }.get(key, "a string")
         raise ConfigError(f"{where}: {key}={value!r} is not valid; expected {expect}") from None
 
@@ -181,6 +192,8 @@ def from_sources(additional_config: dict | None) -> CaptureConfig | None:
             'HSCAPTURE_CONVENTION) to "after" (id i = output of decoder layer i, speculators 0.3/0.4) or "before" '
             "(id i = input of layer i, 0 = embeddings, N = final output before the norm; vLLM, speculators training)"
         )
-    defaults = {k: _coerce(k, envs.REGISTRY[v].default, v) for k, v in _KEYS.items() if envs.REGISTRY[v].default is not None}
+    defaults = {
+        k: _coerce(k, envs.REGISTRY[v].default, v) for k, v in _KEYS.items() if envs.REGISTRY[v].default is not None
+    }
     merged = {**defaults, **values}
     return CaptureConfig(model_name=str(section.get("model_name", "")), sources=sources, **merged)

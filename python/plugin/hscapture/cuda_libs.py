@@ -27,7 +27,9 @@ def _candidates() -> list[str]:
     out = []
     for d in dirs:
         # builtins first: NVRTC opens them by name when it compiles
-        out += sorted(glob.glob(os.path.join(d, "libnvrtc-builtins.so*"))) + sorted(glob.glob(os.path.join(d, "libnvrtc.so*")))
+        out += sorted(glob.glob(os.path.join(d, "libnvrtc-builtins.so*"))) + sorted(
+            glob.glob(os.path.join(d, "libnvrtc.so*"))
+        )
     return out
 
 

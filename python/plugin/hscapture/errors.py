@@ -2,7 +2,8 @@
 
 ``HscaptureError`` is the base of ``ConfigError``, ``ShapeContractError`` (and its subclass
 ``NonFiniteError``), ``AttributionError``, ``RankMismatchError``, ``OutputError`` and
-``CompatibilityError``, and ``PeerFailedError`` (another rank failed; its own error is the cause). Every
+``CompatibilityError``, ``PeerFailedError`` (another rank failed; its own error is the cause) and
+``EngineDiedError`` (vLLM's engine process died while a run waited for it). Every
 message names what was expected, what was found and what to do.
 """
 
@@ -10,6 +11,7 @@ from ._native import (  # noqa: F401
     AttributionError,
     CompatibilityError,
     ConfigError,
+    EngineDiedError,
     HscaptureError,
     NonFiniteError,
     OutputError,
@@ -28,4 +30,5 @@ __all__ = [
     "OutputError",
     "CompatibilityError",
     "PeerFailedError",
+    "EngineDiedError",
 ]

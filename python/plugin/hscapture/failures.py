@@ -43,7 +43,11 @@ def raise_recorded(out: str | Path, cause: BaseException | None = None) -> None:
     """Raises the first worker error recorded under ``out`` (lowest rank), chained to ``cause``; returns if none.
     Also called after a run vLLM reported as finished: an engine may go on after a worker's error."""
     d = Path(out) / DIR
-    files = sorted(d.glob("rank*.json"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else 1 << 30) if d.is_dir() else []
+    files = (
+        sorted(d.glob("rank*.json"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else 1 << 30)
+        if d.is_dir()
+        else []
+    )
     for f in files:
         try:
             rec = json.loads(f.read_text())

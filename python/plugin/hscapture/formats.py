@@ -90,8 +90,10 @@ class Legacy(Format):
         problems = [] if (root / "data_config.json").exists() else ["data_config.json is missing"]
         for r in manifest["samples"]:
             if lengths.get(str(r["index"])) != r["length"]:
-                problems.append(f"sample {r['index']} ({r['file']}): sample_lengths.json says "
-                                f"{lengths.get(str(r['index']))}, the file has {r['length']} tokens")
+                problems.append(
+                    f"sample {r['index']} ({r['file']}): sample_lengths.json says "
+                    f"{lengths.get(str(r['index']))}, the file has {r['length']} tokens"
+                )
         return problems
 
     def merge_documents(self, out: Path, first_shard: Path, records: list[dict], shards: list[Path]) -> None:
@@ -137,26 +139,45 @@ def data_config(meta: dict, run: RunInfo) -> dict:
             "package_versions": _versions(),
             "gpu": _device(),
         },
-        "model": {"target_model_path": run.model, "tensor_parallel_size": run.tp,
-                  "gpu_memory_utilization": run.gpu_memory_utilization, "hidden_size": meta["hidden_size"]},
-        "data": {"train_data_path": run.input_path, "seq_length": run.seq_length, "max_samples": None,
-                 "num_samples": run.num_samples, "seed": 0,
-                 "chat_template_note": "hscapture: prompts taken as given (token ids); no chat template applied"},
+        "model": {
+            "target_model_path": run.model,
+            "tensor_parallel_size": run.tp,
+            "gpu_memory_utilization": run.gpu_memory_utilization,
+            "hidden_size": meta["hidden_size"],
+        },
+        "data": {
+            "train_data_path": run.input_path,
+            "seq_length": run.seq_length,
+            "max_samples": None,
+            "num_samples": run.num_samples,
+            "seed": 0,
+            "chat_template_note": "hscapture: prompts taken as given (token ids); no chat template applied",
+        },
         "hidden_states": {
             "layer_ids": spec_ids if spec_ids is not None else ids,
             "description": "Layers selected for EAGLE3 fusion and target logits; "
-                           + (f"ids in the after-layer convention (captured as {conv} ids {ids})" if spec_ids is not None
-                              else f"ids in the {conv} convention (id 0 = embeddings has no after-layer id)"),
+            + (
+                f"ids in the after-layer convention (captured as {conv} ids {ids})"
+                if spec_ids is not None
+                else f"ids in the {conv} convention (id 0 = embeddings has no after-layer id)"
+            ),
         },
         "generation": {"cache_dir": "n/a (hscapture reads the prepared input directly)"},
         "format": {
             "file_pattern": "data_{idx}.pt",
             "schema": {
                 "input_ids": {"dtype": "torch.long", "shape": "[seq_len]", "description": "Tokenized input sequence"},
-                "hidden_states": {"dtype": f"list[torch.{meta['dtype']}]", "shape": f"list of [seq_len, {meta['hidden_size']}]",
-                                  "num_tensors": len(ids), "description": f"Hidden states from {len(ids)} layers"},
-                "loss_mask": {"dtype": "torch.long", "shape": "[seq_len]",
-                              "description": "1 for assistant tokens to train on, 0 elsewhere (all 1 when the input has no mask)"},
+                "hidden_states": {
+                    "dtype": f"list[torch.{meta['dtype']}]",
+                    "shape": f"list of [seq_len, {meta['hidden_size']}]",
+                    "num_tensors": len(ids),
+                    "description": f"Hidden states from {len(ids)} layers",
+                },
+                "loss_mask": {
+                    "dtype": "torch.long",
+                    "shape": "[seq_len]",
+                    "description": "1 for assistant tokens to train on, 0 elsewhere (all 1 when the input has no mask)",
+                },
             },
         },
         "hscapture": {"convention": conv, "layer_ids": ids, "manifest": "manifest.json"},

@@ -16,7 +16,8 @@ No model's forward is copied: whatever a model computes between layers (DeepSeek
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -30,7 +31,9 @@ def find_decoder_layers(model: torch.nn.Module, num_hidden_layers: int) -> tuple
     found = [
         (name, mod)
         for name, mod in model.named_modules()
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) == num_hidden_layers and name.split(".")[-1] in ("layers", "h", "blocks")
+        if isinstance(mod, torch.nn.ModuleList)
+        and len(mod) == num_hidden_layers
+        and name.split(".")[-1] in ("layers", "h", "blocks")
     ]
     if not found:
         lists = [f"{n} ({len(m)})" for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)][:8]
@@ -97,7 +100,6 @@ def install(layers: torch.nn.ModuleList, points: list[tuple[str, int]], capture:
         else:
             raise CompatibilityError(f"unknown capture point {kind!r}")
     return handles
-
 
 
 def install_positions_probe(layers: torch.nn.ModuleList, seen: Callable[[torch.Tensor], None]) -> list[Any]:

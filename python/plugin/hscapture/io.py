@@ -9,7 +9,6 @@ from typing import Any
 from . import _native
 
 
-
 def load_manifest(out_dir: str | Path) -> dict[str, Any]:
     """``OUT/manifest.json``, checked."""
     return json.loads(_native.read_manifest(str(Path(out_dir) / "manifest.json")))

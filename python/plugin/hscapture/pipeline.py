@@ -19,8 +19,9 @@ _TAG = 0x4853  # "HS"
 
 
 class StageLink:
-    def __init__(self, session: Any, pp_size: int, pp_rank: int, tp_rank: int, local_slots: list[int],
-                 n_slots: int) -> None:
+    def __init__(
+        self, session: Any, pp_size: int, pp_rank: int, tp_rank: int, local_slots: list[int], n_slots: int
+    ) -> None:
         import torch.distributed as dist
         from vllm.distributed.parallel_state import get_pp_group
 

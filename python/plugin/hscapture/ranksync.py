@@ -24,7 +24,8 @@ never recorded: the driver reports the failed rank's own error.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import failures
 from ._native import CaptureSession

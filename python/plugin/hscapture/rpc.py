@@ -64,7 +64,11 @@ class RpcState:
         theirs = {str(k): int(v) for k, v in expected.items() if int(v) > 0}
         if ours != theirs:
             diff = sorted(set(ours) | set(theirs))
-            lines = [f"{r}: hscapture {ours.get(r, 0)}, driver {theirs.get(r, 0)}" for r in diff if ours.get(r, 0) != theirs.get(r, 0)]
+            lines = [
+                f"{r}: hscapture {ours.get(r, 0)}, driver {theirs.get(r, 0)}"
+                for r in diff
+                if ours.get(r, 0) != theirs.get(r, 0)
+            ]
             if session.in_step:
                 session.abandon_step()
             raise AttributionError(
@@ -82,7 +86,9 @@ class RpcState:
     def store(self, aux_hidden_states: list) -> None:
         cap = self.cap
         if not cap._active:
-            raise AttributionError("_store_captured_states was called outside a step; states belong to the step that computed them")
+            raise AttributionError(
+                "_store_captured_states was called outside a step; states belong to the step that computed them"
+            )
         if len(aux_hidden_states) != len(cap.layer_ids):
             raise ShapeContractError(
                 f"_store_captured_states: expected {len(cap.layer_ids)} tensors (layers {cap.layer_ids}), found {len(aux_hidden_states)}"
@@ -127,7 +133,9 @@ class HiddenStatesRPC:
         from .config import CaptureConfig
 
         if not isinstance(layer_ids, (list, tuple)):
-            raise ConfigError(f"_setup_hidden_states_capture: expected a list of layer ids, found {type(layer_ids).__name__}")
+            raise ConfigError(
+                f"_setup_hidden_states_capture: expected a list of layer ids, found {type(layer_ids).__name__}"
+            )
         if vllm_compat.compiled(getattr(self, "vllm_config", None)):
             raise CompatibilityError(
                 "_setup_hidden_states_capture: vLLM compiled the model (torch.compile) when it started, before this "

@@ -17,7 +17,7 @@ outlives its capture (the hooks cannot be taken out of it) then does nothing.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -39,7 +39,7 @@ def describe(code: int) -> str:
 
 def _define() -> None:
     @torch.library.custom_op("hscapture::tap", mutates_args=())
-    def tap(hidden: torch.Tensor, residual: Optional[torch.Tensor], slot: int, point: int) -> None:
+    def tap(hidden: torch.Tensor, residual: torch.Tensor | None, slot: int, point: int) -> None:
         if _ACTIVE is not None:
             _ACTIVE[0](slot, point, hidden, residual)
 
@@ -65,8 +65,14 @@ def ensure_ops() -> None:
     global _DEFINED
     if _DEFINED:
         return
-    missing = [name for name, ok in (("torch.library.custom_op", hasattr(torch.library, "custom_op")),
-                                     ("torch.fx.node.has_side_effect", hasattr(torch.fx.node, "has_side_effect"))) if not ok]
+    missing = [
+        name
+        for name, ok in (
+            ("torch.library.custom_op", hasattr(torch.library, "custom_op")),
+            ("torch.fx.node.has_side_effect", hasattr(torch.fx.node, "has_side_effect")),
+        )
+        if not ok
+    ]
     if missing:
         raise CompatibilityError(
             f"capturing under torch.compile needs {' and '.join(missing)}, which torch {torch.__version__} lacks; "

@@ -68,8 +68,10 @@ def complete_pending_sample(worker: Any) -> bool:
     if getattr(runner, "execute_model_state", None) is None:
         return False
     if not _warned_single_phase:
-        log.warning("hscapture: the driver skipped sample_tokens() after execute_model(); completing it "
-                    "(a single-phase driver written for vLLM <= 0.11)")
+        log.warning(
+            "hscapture: the driver skipped sample_tokens() after execute_model(); completing it "
+            "(a single-phase driver written for vLLM <= 0.11)"
+        )
         _warned_single_phase = True
     worker.sample_tokens(None)
     return True
@@ -91,14 +93,21 @@ def step_args(so: Any) -> tuple:
             )
         extra = getattr(r.sampling_params, "extra_args", None) or {}
         mask = extra.get(LOSS_MASK_KEY)
-        new.append((r.req_id, list(ids), int(r.num_computed_tokens), sample_index(r.sampling_params),
-                    list(mask) if mask is not None else None))
+        new.append(
+            (
+                r.req_id,
+                list(ids),
+                int(r.num_computed_tokens),
+                sample_index(r.sampling_params),
+                list(mask) if mask is not None else None,
+            )
+        )
     c = so.scheduled_cached_reqs
     resumed = getattr(c, "resumed_req_ids", None)
     if resumed is None:  # older layout: a parallel list of flags
         flags = getattr(c, "resumed_from_preemption", None) or [False] * len(c.req_ids)
-        resumed = {rid for rid, f in zip(c.req_ids, flags) if f}
-    cached = [(rid, int(n), rid in resumed) for rid, n in zip(c.req_ids, c.num_computed_tokens)]
+        resumed = {rid for rid, f in zip(c.req_ids, flags, strict=True) if f}
+    cached = [(rid, int(n), rid in resumed) for rid, n in zip(c.req_ids, c.num_computed_tokens, strict=True)]
     scheduled = [(rid, int(n)) for rid, n in so.num_scheduled_tokens.items()]
     finished = list(so.finished_req_ids or ())
     preempted = list(getattr(so, "preempted_req_ids", None) or ())
@@ -162,11 +171,11 @@ class RunnerOrder:
                 f"counts {counts[:8]}); hscapture reads each request's tokens as one consecutive run and will not guess "
                 "— run with VLLM_USE_V2_MODEL_RUNNER=0"
             )
-        if scheduled is not None and dict(zip(ids, counts)) != {k: int(v) for k, v in scheduled.items()}:
+        if scheduled is not None and dict(zip(ids, counts, strict=True)) != {k: int(v) for k, v in scheduled.items()}:
             from .errors import AttributionError
 
             raise AttributionError(
-                f"Model Runner V2's batch for this step ({dict(list(zip(ids, counts))[:6])}) does not hold the tokens the "
+                f"Model Runner V2's batch for this step ({dict(list(zip(ids, counts, strict=True))[:6])}) does not hold the tokens the "
                 f"scheduler scheduled ({dict(list(scheduled.items())[:6])}); speculative drafts or padding? hscapture "
                 "captures only what the scheduler attributes"
             )
@@ -210,7 +219,7 @@ def compiled(vllm_config: Any) -> bool:
             raise CompatibilityError(
                 f"vLLM's sequence-parallelism pass is on (compilation_config.pass_config.{name}=True): it shards "
                 "the residual across the TP ranks inside the compiled graph, where hscapture's taps are not "
-                f"verified; turn it off (`--vllm-arg 'compilation_config={{\"pass_config\": {{\"{name}\": false}}}}'`, "
+                f'verified; turn it off (`--vllm-arg \'compilation_config={{"pass_config": {{"{name}": false}}}}\'`, '
                 "or the same compilation_config in vllm.LLM) or run eager (no --compile / enforce_eager=True)"
             )
     return True

@@ -33,8 +33,10 @@ def assembly_ring() -> int:
         return 0
     ring = envs.get("HSCAPTURE_HOST_RING")
     if ring < 2:
-        raise ConfigError(f"HSCAPTURE_HOST_RING={ring} is not valid: background assembly needs at least 2 step buffers; "
-                          "set HSCAPTURE_ASSEMBLY=inline to assemble on the worker's thread")
+        raise ConfigError(
+            f"HSCAPTURE_HOST_RING={ring} is not valid: background assembly needs at least 2 step buffers; "
+            "set HSCAPTURE_ASSEMBLY=inline to assemble on the worker's thread"
+        )
     return ring
 
 
@@ -48,9 +50,19 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
     writer = tp.rank == 0 and pp_rank == pp_size - 1  # the last stage assembles (pipeline.py)
     out_dtype = model_dtype if cfg.dtype == "auto" else cfg.dtype
     session = _native.CaptureSession(
-        layer_ids, cfg.convention, n_layers, hidden, model_dtype, out_dtype,
-        assemble=writer, out_dir=cfg.out if writer else None, writer_threads=cfg.writer_threads,
-        writer_queue=cfg.writer_queue, durable=cfg.durable, format=cfg.format, compress=cfg.compress or None,
+        layer_ids,
+        cfg.convention,
+        n_layers,
+        hidden,
+        model_dtype,
+        out_dtype,
+        assemble=writer,
+        out_dir=cfg.out if writer else None,
+        writer_threads=cfg.writer_threads,
+        writer_queue=cfg.writer_queue,
+        durable=cfg.durable,
+        format=cfg.format,
+        compress=cfg.compress or None,
         model=cfg.model_name or model,
     )
     session.set_skip_nonfinite(cfg.on_nonfinite == "skip")
@@ -59,7 +71,9 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         session.set_background(ring)
     sync = RankSync(tp, int(getattr(worker, "rank", 0)), cfg.out)
     order = vllm_compat.RunnerOrder(worker.model_runner)
-    cap = cls(cfg, session, sync, order, writer=writer, num_hidden_layers=n_layers, hidden_size=hidden, out_dtype=out_dtype)
+    cap = cls(
+        cfg, session, sync, order, writer=writer, num_hidden_layers=n_layers, hidden_size=hidden, out_dtype=out_dtype
+    )
     name, layers = hooks.find_decoder_layers(worker.get_model(), n_layers)
     points = cap.capture_points()
     local = [slot for slot, (_kind, k) in enumerate(points) if not hooks.is_missing(layers[k])]
@@ -74,9 +88,19 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         cap.device_path, failure = "failed", e
     sync.agree_on_path(cap.device_path, cap.overlap, failure)
     install_hooks(cap, vc, layers, points, compiled)
-    log.info("hscapture: capturing %s ids %s at %s (%d hooks%s), tp rank %d/%d, pp rank %d/%d, writer=%s",
-             cfg.convention, cap.layer_ids, name, len(cap.handles), ", traced into torch.compile" if compiled else "",
-             tp.rank, tp.size, pp_rank, pp_size, writer)
+    log.info(
+        "hscapture: capturing %s ids %s at %s (%d hooks%s), tp rank %d/%d, pp rank %d/%d, writer=%s",
+        cfg.convention,
+        cap.layer_ids,
+        name,
+        len(cap.handles),
+        ", traced into torch.compile" if compiled else "",
+        tp.rank,
+        tp.size,
+        pp_rank,
+        pp_size,
+        writer,
+    )
     return cap
 
 
@@ -103,10 +127,16 @@ def enable_device(cap: Any, vc: Any) -> str:
         log.warning("hscapture: the CUDA capture path is unavailable (%s); copying to the host in the hook", e)
         return "host"
     cap.overlap = overlap
-    log.info("hscapture: CUDA capture kernel built for %s; device arena %.1f MiB for %d rows; %d pinned host "
-             "buffer(s), assembly %s, steps %s", arch, cap.session.device_bytes / 2**20, rows, ring,
-             "on the assembler thread" if cap.session.background else "inline",
-             "overlapped" if overlap else "collected when the next begins")
+    log.info(
+        "hscapture: CUDA capture kernel built for %s; device arena %.1f MiB for %d rows; %d pinned host "
+        "buffer(s), assembly %s, steps %s",
+        arch,
+        cap.session.device_bytes / 2**20,
+        rows,
+        ring,
+        "on the assembler thread" if cap.session.background else "inline",
+        "overlapped" if overlap else "collected when the next begins",
+    )
     return "device"
 
 

@@ -67,8 +67,13 @@ class CaptureWorker(HiddenStatesRPC, _Base):  # type: ignore[misc, valid-type]
         if cap is None:
             return None
         records = cap.drain()
-        return {"tp_rank": cap.tp.rank, "writer": cap.writer_rank, "records": records, "device_path": cap.device_path,
-                "seconds": cap.drain_seconds}
+        return {
+            "tp_rank": cap.tp.rank,
+            "writer": cap.writer_rank,
+            "records": records,
+            "device_path": cap.device_path,
+            "seconds": cap.drain_seconds,
+        }
 
     def hscapture_stats(self) -> dict:
         """This rank's resident memory and capture totals (for soaks and dashboards)."""

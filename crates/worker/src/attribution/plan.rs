@@ -183,12 +183,7 @@ impl Tracker {
         for id in &input.finished {
             if let Some(t) = self.reqs.remove(id) {
                 if !t.done {
-                    events.push(Event::Aborted {
-                        req_id: id.clone(),
-                        sample: t.sample,
-                        captured: t.captured,
-                        prompt_len: t.prompt_len,
-                    });
+                    events.push(Event::Aborted { req_id: id.clone(), sample: t.sample, captured: t.captured, prompt_len: t.prompt_len });
                 }
             }
         }

@@ -89,7 +89,6 @@ impl Arena {
         t.nonfinite.copy_from_slice(nonfinite);
         Ok(())
     }
-
 }
 
 impl StepRows for Arena {

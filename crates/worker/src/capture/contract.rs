@@ -17,7 +17,13 @@ pub fn slot_name(layers: &LayerPlan, slot: usize) -> String {
 
 /// Checks a layer's tensors for the planned step; returns the number of rows to read (the step's
 /// scheduled tokens: padding rows after them are never read).
-pub fn check_layer(cfg: &SessionConfig, plan: &StepPlan, name: &str, hidden: &TensorDesc, residual: Option<&TensorDesc>) -> CoreResult<usize> {
+pub fn check_layer(
+    cfg: &SessionConfig,
+    plan: &StepPlan,
+    name: &str,
+    hidden: &TensorDesc,
+    residual: Option<&TensorDesc>,
+) -> CoreResult<usize> {
     ensure!(
         hidden.width() == cfg.hidden_size,
         ShapeContract,

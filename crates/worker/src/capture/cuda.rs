@@ -124,7 +124,11 @@ impl CudaDevice {
     /// Loads the kernel on `ordinal`, allocates the arena for `capacity` rows per slot and `ring`
     /// pinned host buffers of the same size.
     pub fn new(ordinal: i32, slots: usize, width: usize, dtype: DType, capacity: usize, ring: usize) -> CoreResult<CudaDevice> {
-        ensure!(capacity > 0 && slots > 0 && width > 0, Config, "device arena of {capacity} rows × {slots} slots × {width}: nothing to allocate");
+        ensure!(
+            capacity > 0 && slots > 0 && width > 0,
+            Config,
+            "device arena of {capacity} rows × {slots} slots × {width}: nothing to allocate"
+        );
         ensure!(ring > 0, Config, "a ring of {ring} host buffers: at least one is needed");
         let kernel = CaptureKernel::load(ordinal).map_err(kerr)?;
         let row_bytes = width * dtype.size();

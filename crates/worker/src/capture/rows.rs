@@ -22,4 +22,3 @@ pub fn step_checksum(rows_view: &dyn StepRows, present: &[bool], rows: usize) ->
     }
     acc
 }
-

@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::attribution::plan::{SampleKey, Segment};
-use crate::output::pool::BufferPool;
 use crate::capture::rows::StepRows;
+use crate::output::pool::BufferPool;
 use crate::output::sample::Sample;
 use crate::{ensure, error::CoreResult};
 use hscapture_kernels::DType;
@@ -92,7 +92,17 @@ fn finish(g: Geometry, c: Completion, data: Vec<u8>, emit: Option<Emit<'_>>) -> 
         g.width,
         g.dtype
     );
-    let sample = Sample { key: c.sample, req_id: c.req_id, token_ids: c.token_ids, data, rows: n, slots: g.slots, width: g.width, dtype: g.dtype, loss_mask: c.loss_mask };
+    let sample = Sample {
+        key: c.sample,
+        req_id: c.req_id,
+        token_ids: c.token_ids,
+        data,
+        rows: n,
+        slots: g.slots,
+        width: g.width,
+        dtype: g.dtype,
+        loss_mask: c.loss_mask,
+    };
     match emit {
         Some(f) => f(sample).map(|()| None),
         None => Ok(Some(sample)),

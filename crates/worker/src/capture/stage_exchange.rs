@@ -9,7 +9,14 @@ use crate::ranks::stage_message::{SlotPart, StageMessage};
 use crate::{bail, ensure, error::CoreResult};
 
 /// The rows of `wanted` slots of step `step` as one message.
-pub fn export(step: u64, plan: Option<&StepPlan>, slots: &SlotMask, arena: &Arena, wanted: &[usize], name: impl Fn(usize) -> String) -> CoreResult<Vec<u8>> {
+pub fn export(
+    step: u64,
+    plan: Option<&StepPlan>,
+    slots: &SlotMask,
+    arena: &Arena,
+    wanted: &[usize],
+    name: impl Fn(usize) -> String,
+) -> CoreResult<Vec<u8>> {
     let Some(plan) = plan else {
         bail!(Attribution, "step {step}: nothing to send to the assembling stage before the step is planned");
     };

@@ -107,7 +107,12 @@ impl StepBuffers {
 
     /// Copies a step's rows and completes its samples: now (inline, returned) or on the assembler
     /// thread (the buffer goes with the job; nothing returned). `pinned` None means the current arena.
-    pub fn scatter(&mut self, job: ScatterJob, pinned: Option<Box<dyn PinnedStep>>, device: Option<&mut DeviceSteps>) -> CoreResult<Vec<Sample>> {
+    pub fn scatter(
+        &mut self,
+        job: ScatterJob,
+        pinned: Option<Box<dyn PinnedStep>>,
+        device: Option<&mut DeviceSteps>,
+    ) -> CoreResult<Vec<Sample>> {
         let give_back = |b: Box<dyn PinnedStep>, device: Option<&mut DeviceSteps>| match device {
             Some(d) => d.recycle(b),
             None => bail!(Compatibility, "a device step buffer has no device path to go back to"),

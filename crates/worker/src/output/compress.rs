@@ -12,7 +12,7 @@ pub const CODEC: &str = "byteplane-zstd/1";
 
 /// Splits `data` (elements of `elem` bytes) into byte planes and compresses them with zstd `level`.
 pub fn encode(data: &[u8], elem: usize, level: i32) -> CoreResult<Vec<u8>> {
-    ensure!(elem > 0 && data.len() % elem == 0, ShapeContract, "{} bytes are not whole {elem}-byte elements", data.len());
+    ensure!(elem > 0 && data.len().is_multiple_of(elem), ShapeContract, "{} bytes are not whole {elem}-byte elements", data.len());
     let n = data.len() / elem;
     let mut planes = vec![0u8; data.len()];
     // One sequential pass per plane: streaming writes, no index arithmetic in the inner loop.
@@ -28,8 +28,10 @@ pub fn encode(data: &[u8], elem: usize, level: i32) -> CoreResult<Vec<u8>> {
 /// (never sized from `len` up front: `len` comes from the file).
 pub fn decode(compressed: &[u8], elem: usize, len: usize, what: &str) -> CoreResult<Vec<u8>> {
     use std::io::Read;
-    ensure!(elem > 0 && len % elem == 0, Output, "{what}: {len} bytes are not whole {elem}-byte elements");
-    let damaged = |e: std::io::Error| core_err!(Output, "{what}: the compressed states do not decode ({e}); the file is damaged: delete it and re-run");
+    ensure!(elem > 0 && len.is_multiple_of(elem), Output, "{what}: {len} bytes are not whole {elem}-byte elements");
+    let damaged = |e: std::io::Error| {
+        core_err!(Output, "{what}: the compressed states do not decode ({e}); the file is damaged: delete it and re-run")
+    };
     let mut planes = Vec::new();
     zstd::stream::read::Decoder::new(compressed).map_err(damaged)?.take(len as u64 + 1).read_to_end(&mut planes).map_err(damaged)?;
     ensure!(planes.len() == len, Output, "{what}: decoded {} bytes, expected {len}; the file is damaged", planes.len());

@@ -187,7 +187,7 @@ impl Legacy {
 }
 
 fn longs_of(b: &[u8], what: &str, entry: &str) -> CoreResult<Vec<i64>> {
-    ensure!(b.len() % 8 == 0, Output, "{what}: {entry} holds {} bytes, not whole int64 values", b.len());
+    ensure!(b.len().is_multiple_of(8), Output, "{what}: {entry} holds {} bytes, not whole int64 values", b.len());
     Ok(b.chunks_exact(8).map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect())
 }
 
@@ -242,7 +242,10 @@ impl Format for Legacy {
              changed, or not written by hscapture"
         );
         let rb = width * es;
-        let total = rows.checked_mul(slots).and_then(|x| x.checked_mul(rb)).ok_or_else(|| core_err!(Output, "{what}: the sample's size overflows"))?;
+        let total = rows
+            .checked_mul(slots)
+            .and_then(|x| x.checked_mul(rb))
+            .ok_or_else(|| core_err!(Output, "{what}: the sample's size overflows"))?;
         let mut data = Vec::new();
         data.try_reserve_exact(total).map_err(|_| core_err!(Output, "{what}: cannot hold {total} bytes of states in memory"))?;
         data.resize(total, 0);

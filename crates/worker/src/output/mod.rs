@@ -5,10 +5,12 @@
 //! - [`sink`]: where encoded samples go (files, atomically, each journaled);
 //! - [`writer`]: the threads that feed a sink, behind a bounded queue;
 //! - [`atomic`], [`journal`], [`manifest`], [`record`]: files that appear whole, and what they list;
+//! - [`dirlock`]: one writing process per output directory;
 //! - [`verify`], [`resume`]: a capture directory checked against its ledger and the contract.
 
 pub mod atomic;
 pub mod compress;
+pub mod dirlock;
 pub mod format;
 pub mod journal;
 pub mod legacy;
@@ -22,3 +24,7 @@ pub mod sink;
 pub mod verify;
 pub mod writer;
 pub mod zip;
+
+#[cfg(test)]
+#[path = "tests/fuzz.rs"]
+mod fuzz;

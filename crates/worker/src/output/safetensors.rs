@@ -70,9 +70,7 @@ fn header(sample: &Sample, mut metadata: HashMap<String, String>, compressed: Op
         metadata.insert(META_SHAPE.into(), format!("{l},{n},{h}"));
         metadata.insert(META_DTYPE.into(), format!("{:?}", st_dtype(sample.dtype)));
     }
-    let info = |dtype: Dtype, shape: Vec<usize>, begin: usize, end: usize| {
-        serde_json::json!({"dtype": format!("{dtype:?}"), "shape": shape, "data_offsets": [begin, end]})
-    };
+    let info = |dtype: Dtype, shape: Vec<usize>, begin: usize, end: usize| serde_json::json!({"dtype": format!("{dtype:?}"), "shape": shape, "data_offsets": [begin, end]});
     let mut head = serde_json::Map::new();
     head.insert("token_ids".into(), info(Dtype::I64, vec![sample.token_ids.len()], 0, tok_len));
     head.insert(states.into(), info(dtype, shape, tok_len, end));
@@ -111,7 +109,13 @@ pub fn encode_with<'a>(sample: &'a Sample, metadata: HashMap<String, String>, co
 }
 
 fn token_ids(ti: &safetensors::tensor::TensorView<'_>, what: &str) -> CoreResult<Vec<i64>> {
-    ensure!(ti.dtype() == Dtype::I64 && ti.shape().len() == 1, Output, "{what}: `token_ids` is {:?} {:?}, expected I64 [L]", ti.dtype(), ti.shape());
+    ensure!(
+        ti.dtype() == Dtype::I64 && ti.shape().len() == 1,
+        Output,
+        "{what}: `token_ids` is {:?} {:?}, expected I64 [L]",
+        ti.dtype(),
+        ti.shape()
+    );
     Ok(ti.data().chunks_exact(8).map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect())
 }
 
@@ -150,22 +154,41 @@ impl Format for Safetensors {
         let hs = st.tensor("hidden_states").map_err(|e| core_err!(Output, "{what}: no `hidden_states` tensor ({e})"))?;
         let dtype = from_st(hs.dtype())
             .ok_or_else(|| core_err!(Output, "{what}: `hidden_states` has dtype {:?}, expected F32, BF16 or F16", hs.dtype()))?;
-        let shape: [usize; 3] = hs.shape().try_into().map_err(|_| core_err!(Output, "{what}: `hidden_states` {:?} is not [L, n_layers, H]", hs.shape()))?;
-        ensure!(shape[0] == token_ids.len(), Output, "{what}: `hidden_states` {shape:?} and `token_ids` [{}] do not form [L, n_layers, H] and [L]", token_ids.len());
+        let shape: [usize; 3] =
+            hs.shape().try_into().map_err(|_| core_err!(Output, "{what}: `hidden_states` {:?} is not [L, n_layers, H]", hs.shape()))?;
+        ensure!(
+            shape[0] == token_ids.len(),
+            Output,
+            "{what}: `hidden_states` {shape:?} and `token_ids` [{}] do not form [L, n_layers, H] and [L]",
+            token_ids.len()
+        );
         Ok(LoadedSample { token_ids, shape, dtype, data: hs.data().to_vec(), metadata, loss_mask: None, checksum: String::new() })
     }
 }
 
 fn decode_compressed(st: &SafeTensors<'_>, metadata: HashMap<String, String>, token_ids: Vec<i64>, what: &str) -> CoreResult<LoadedSample> {
     let codec = metadata.get(META_CODEC).map(String::as_str).unwrap_or("");
-    ensure!(codec == crate::output::compress::CODEC, Output, "{what}: compressed with {codec:?}; this hscapture reads {}", crate::output::compress::CODEC);
+    ensure!(
+        codec == crate::output::compress::CODEC,
+        Output,
+        "{what}: compressed with {codec:?}; this hscapture reads {}",
+        crate::output::compress::CODEC
+    );
     let dims: Vec<usize> = metadata.get(META_SHAPE).map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect()).unwrap_or_default();
-    let shape: [usize; 3] = dims.as_slice().try_into().map_err(|_| core_err!(Output, "{what}: compressed states of shape {dims:?}, expected [L, n_layers, H]"))?;
+    let shape: [usize; 3] = dims
+        .as_slice()
+        .try_into()
+        .map_err(|_| core_err!(Output, "{what}: compressed states of shape {dims:?}, expected [L, n_layers, H]"))?;
     let dtype = metadata
         .get(META_DTYPE)
         .and_then(|d| DType::parse(d))
         .ok_or_else(|| core_err!(Output, "{what}: compressed states of dtype {:?}, expected F32, BF16 or F16", metadata.get(META_DTYPE)))?;
-    ensure!(shape[0] == token_ids.len(), Output, "{what}: compressed states of shape {shape:?} and `token_ids` [{}] do not form [L, n_layers, H] and [L]", token_ids.len());
+    ensure!(
+        shape[0] == token_ids.len(),
+        Output,
+        "{what}: compressed states of shape {shape:?} and `token_ids` [{}] do not form [L, n_layers, H] and [L]",
+        token_ids.len()
+    );
     let len = shape
         .iter()
         .try_fold(dtype.size(), |a, &d| a.checked_mul(d))

@@ -58,10 +58,8 @@ pub fn file_stem(key: &SampleKey) -> String {
     match key {
         SampleKey::Index(i) => format!("hs_{i}"),
         SampleKey::Request(r) => {
-            let safe: String = r
-                .chars()
-                .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' { c } else { '_' })
-                .collect();
+            let safe: String =
+                r.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' { c } else { '_' }).collect();
             format!("hs_req-{safe}")
         }
     }

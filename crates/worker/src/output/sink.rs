@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use crate::attribution::plan::SampleKey;
 use crate::output::atomic::write_atomic;
+use crate::output::dirlock::WriterLock;
 use crate::output::format::Format;
 use crate::output::journal::Journal;
 use crate::output::record::{Identity, SampleRecord};
@@ -19,6 +20,8 @@ pub trait Sink: Send + Sync {
 
 /// Files in `format` under `root`, each written atomically (durably when asked), then journaled.
 pub struct FileSink {
+    /// Held for as long as this sink may write (first: released last).
+    _lock: WriterLock,
     root: PathBuf,
     format: Box<dyn Format>,
     identity: Identity,
@@ -27,15 +30,16 @@ pub struct FileSink {
 }
 
 impl FileSink {
-    /// Creates the format's folder under `root` and opens the journal (refused when it belongs to a
-    /// capture of another identity).
+    /// Creates the format's folder under `root`, takes the directory's writer lock and opens the journal
+    /// (refused when another process writes there, or when the journal belongs to another identity).
     pub fn open(root: &Path, format: Box<dyn Format>, identity: Identity, durable: bool) -> CoreResult<FileSink> {
         let dir = root.join(format.folder());
         std::fs::create_dir_all(&dir).map_err(|e| {
             core_err!(Output, "cannot create the output directory {}: {e}; choose a directory you can write", dir.display())
         })?;
+        let lock = WriterLock::acquire(root)?;
         let journal = Journal::open(root, &identity, durable)?;
-        Ok(FileSink { root: root.to_path_buf(), format, identity, durable, journal })
+        Ok(FileSink { _lock: lock, root: root.to_path_buf(), format, identity, durable, journal })
     }
 
     pub fn root(&self) -> &Path {

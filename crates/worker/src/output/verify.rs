@@ -17,7 +17,9 @@ use hscapture_kernels::DType;
 /// Counts values that are NaN or infinite in little-endian data of `dtype`.
 pub fn count_nonfinite(data: &[u8], dtype: DType) -> u64 {
     match dtype {
-        DType::F32 => data.chunks_exact(4).filter(|c| (u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & 0x7f80_0000) == 0x7f80_0000).count() as u64,
+        DType::F32 => {
+            data.chunks_exact(4).filter(|c| (u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & 0x7f80_0000) == 0x7f80_0000).count() as u64
+        }
         DType::BF16 => data.chunks_exact(2).filter(|c| (u16::from_le_bytes([c[0], c[1]]) & 0x7f80) == 0x7f80).count() as u64,
         DType::F16 => data.chunks_exact(2).filter(|c| (u16::from_le_bytes([c[0], c[1]]) & 0x7c00) == 0x7c00).count() as u64,
     }
@@ -41,7 +43,13 @@ pub fn describe(rec: &SampleRecord) -> String {
 /// Checks one file's bytes against its record and the capture's identity; returns the decoded
 /// sample, or why it cannot be trusted. `whole_file`: the record's checksum covers the whole file
 /// (else only the states, as `hscapture/1` manifests recorded it).
-pub fn check_file(format: &dyn Format, root: &Path, rec: &SampleRecord, identity: &Identity, whole_file: bool) -> Result<LoadedSample, Vec<String>> {
+pub fn check_file(
+    format: &dyn Format,
+    root: &Path,
+    rec: &SampleRecord,
+    identity: &Identity,
+    whole_file: bool,
+) -> Result<LoadedSample, Vec<String>> {
     let path = root.join(&rec.file);
     let bytes = std::fs::read(&path).map_err(|e| vec![format!("cannot read {}: {e}", rec.file)])?;
     let mut s = format.decode(&bytes, &rec.file).map_err(|e| vec![e.message])?;

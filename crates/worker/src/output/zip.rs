@@ -164,7 +164,12 @@ impl<'a> At<'a, '_> {
     fn slice(&self, at: u64, n: u64) -> CoreResult<&'a [u8]> {
         let end = at.checked_add(n).filter(|&e| e <= self.b.len() as u64);
         let Some(end) = end else {
-            bail!(Output, "{}: the zip structure points past the end of the file ({n} bytes at {at} of {}): the file is truncated or damaged", self.what, self.b.len());
+            bail!(
+                Output,
+                "{}: the zip structure points past the end of the file ({n} bytes at {at} of {}): the file is truncated or damaged",
+                self.what,
+                self.b.len()
+            );
         };
         Ok(&self.b[at as usize..end as usize])
     }
@@ -194,7 +199,8 @@ pub fn entries<'a>(bytes: &'a [u8], what: &str) -> CoreResult<Vec<(String, &'a [
         bail!(Output, "{what}: no zip end-of-directory record: not a torch archive, or truncated");
     };
     let end = end as u64;
-    let (mut count, mut cd_size, mut cd_offset) = (u64::from(at.u16(end + 10)?), u64::from(at.u32(end + 12)?), u64::from(at.u32(end + 16)?));
+    let (mut count, mut cd_size, mut cd_offset) =
+        (u64::from(at.u16(end + 10)?), u64::from(at.u32(end + 12)?), u64::from(at.u32(end + 16)?));
     if count == u64::from(u16::MAX) || cd_size == u64::from(u32::MAX) || cd_offset == u64::from(u32::MAX) {
         ensure!(end >= 20 && at.u32(end - 20)? == LOCATOR64, Output, "{what}: a zip64 archive without its locator; the file is damaged");
         let e64 = at.u64(end - 12)?;

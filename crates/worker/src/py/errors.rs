@@ -1,6 +1,6 @@
 //! The exception tree, re-exported by the `hscapture` package:
 //! `HscaptureError` ← `ConfigError`, `ShapeContractError` (← `NonFiniteError`), `AttributionError`,
-//! `RankMismatchError`, `OutputError`, `CompatibilityError`, `PeerFailedError`.
+//! `RankMismatchError`, `OutputError`, `CompatibilityError`, `PeerFailedError`, `EngineDiedError`.
 
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -13,9 +13,20 @@ create_exception!(hscapture._native, ConfigError, HscaptureError, "Invalid confi
 create_exception!(hscapture._native, ShapeContractError, HscaptureError, "A captured tensor or sample breaks the shape contract.");
 create_exception!(hscapture._native, NonFiniteError, ShapeContractError, "Captured hidden states contain NaN or Inf.");
 create_exception!(hscapture._native, AttributionError, HscaptureError, "Tokens cannot be attributed to requests consistently.");
-create_exception!(hscapture._native, RankMismatchError, HscaptureError, "Tensor-parallel ranks captured different values for replicated states.");
+create_exception!(
+    hscapture._native,
+    RankMismatchError,
+    HscaptureError,
+    "Tensor-parallel ranks captured different values for replicated states."
+);
 create_exception!(hscapture._native, OutputError, HscaptureError, "Writing or reading output files failed.");
-create_exception!(hscapture._native, CompatibilityError, HscaptureError, "The running vLLM, model or machine lacks something hscapture needs.");
+create_exception!(
+    hscapture._native,
+    CompatibilityError,
+    HscaptureError,
+    "The running vLLM, model or machine lacks something hscapture needs."
+);
+create_exception!(hscapture._native, EngineDiedError, HscaptureError, "vLLM's engine process died while a run was waiting for it.");
 create_exception!(
     hscapture._native,
     PeerFailedError,
@@ -49,6 +60,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("OutputError", py.get_type::<OutputError>())?;
     m.add("CompatibilityError", py.get_type::<CompatibilityError>())?;
     m.add("PeerFailedError", py.get_type::<PeerFailedError>())?;
+    m.add("EngineDiedError", py.get_type::<EngineDiedError>())?;
     Ok(())
 }
 

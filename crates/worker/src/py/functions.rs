@@ -9,11 +9,11 @@ use pyo3::types::{PyBytes, PyDict};
 use super::errors::guard;
 use super::session::record_dict;
 use crate::attribution::layers::{default_ids, CapturePoint, Convention, LayerPlan};
+use crate::core_err;
 use crate::output::atomic::write_atomic;
 use crate::output::format::read_sample_file;
 use crate::output::manifest::Manifest;
 use crate::output::record::{file_checksum, Identity};
-use crate::core_err;
 
 /// Capture points in slot order: `("embeddings", 0)` or `("layer_output", k)`.
 pub fn points(plan: &LayerPlan) -> Vec<(&'static str, usize)> {
@@ -107,7 +107,11 @@ fn resume_plan<'py>(py: Python<'py>, root: PathBuf, identity: &str) -> PyResult<
         for (i, k) in plan.kept {
             d.set_item(i, (record_dict(py, &k.record)?, k.token_ids))?;
         }
-        let found = plan.identity.map(|i| serde_json::to_string(&i)).transpose().map_err(|e| core_err!(Output, "cannot encode an identity: {e}"))?;
+        let found = plan
+            .identity
+            .map(|i| serde_json::to_string(&i))
+            .transpose()
+            .map_err(|e| core_err!(Output, "cannot encode an identity: {e}"))?;
         Ok((d, plan.recapture, found))
     })
 }
@@ -134,7 +138,14 @@ fn dtypes() -> PyResult<Vec<(&'static str, usize)>> {
 /// How a layer's rows on this rank relate to the step's tokens: None (replicated) or the rows per
 /// rank of vLLM's sequence-parallel sharding (gather, then read the first rows). See `row_layout.rs`.
 #[pyfunction]
-fn row_layout(rows: usize, forward_tokens: usize, step_tokens: usize, tp_size: usize, tp_rank: usize, what: &str) -> PyResult<Option<usize>> {
+fn row_layout(
+    rows: usize,
+    forward_tokens: usize,
+    step_tokens: usize,
+    tp_size: usize,
+    tp_rank: usize,
+    what: &str,
+) -> PyResult<Option<usize>> {
     use crate::ranks::row_layout::{row_layout, RowLayout};
     guard("row_layout", || {
         Ok(match row_layout(rows, forward_tokens, step_tokens, tp_size, tp_rank, what)? {

@@ -166,7 +166,14 @@ impl CaptureSession {
     /// Captures slot `slot` from a layer's hidden states (+ residual): torch tensors, read in place
     /// (host) or by the capture kernel enqueued on `stream`, a raw CUDA stream handle (device).
     #[pyo3(signature = (slot, hidden, residual=None, stream=0))]
-    fn capture(&mut self, py: Python<'_>, slot: usize, hidden: &Bound<'_, PyAny>, residual: Option<&Bound<'_, PyAny>>, stream: u64) -> PyResult<()> {
+    fn capture(
+        &mut self,
+        py: Python<'_>,
+        slot: usize,
+        hidden: &Bound<'_, PyAny>,
+        residual: Option<&Bound<'_, PyAny>>,
+        stream: u64,
+    ) -> PyResult<()> {
         guard("capture", || {
             let h = describe(hidden, "hidden states")?;
             let r = residual.map(|r| describe(r, "residual")).transpose()?;
@@ -216,7 +223,8 @@ impl CaptureSession {
     fn enable_device(&mut self, py: Python<'_>, ordinal: i32, capacity_rows: usize, host_ring: usize, overlap: bool) -> PyResult<String> {
         guard("enable_device", || {
             let cfg = self.inner.session().config().clone();
-            let dev = py.detach(|| CudaDevice::new(ordinal, cfg.layers.num_slots(), cfg.hidden_size, cfg.out_dtype, capacity_rows, host_ring))?;
+            let dev =
+                py.detach(|| CudaDevice::new(ordinal, cfg.layers.num_slots(), cfg.hidden_size, cfg.out_dtype, capacity_rows, host_ring))?;
             let arch = dev.arch().to_string();
             self.inner.set_device(Box::new(dev), overlap)?;
             Ok(arch)

@@ -9,7 +9,8 @@ use crate::{core_err, CoreResult};
 use hscapture_kernels::DType;
 
 pub fn parse_dtype(name: &str, what: &str) -> CoreResult<DType> {
-    DType::parse(name).ok_or_else(|| core_err!(ShapeContract, "{what}: dtype {name} is not supported; expected float32, bfloat16 or float16"))
+    DType::parse(name)
+        .ok_or_else(|| core_err!(ShapeContract, "{what}: dtype {name} is not supported; expected float32, bfloat16 or float16"))
 }
 
 /// Reads the descriptor of a torch tensor.
@@ -21,6 +22,7 @@ pub fn describe(t: &Bound<'_, PyAny>, what: &str) -> PyResult<TensorDesc> {
     let dev = t.getattr("device")?;
     let kind: String = dev.getattr("type")?.extract()?;
     let index: Option<i64> = dev.getattr("index")?.extract()?;
-    let device = Device::parse(&kind, index).ok_or_else(|| core_err!(Compatibility, "{what}: tensors on {kind} are not supported; expected cpu or cuda"))?;
+    let device = Device::parse(&kind, index)
+        .ok_or_else(|| core_err!(Compatibility, "{what}: tensors on {kind} are not supported; expected cpu or cuda"))?;
     Ok(TensorDesc { ptr, shape, strides, dtype: parse_dtype(&dtype, what)?, device })
 }

@@ -19,7 +19,14 @@ pub enum RowLayout {
 
 /// `rows`: the layer's rows on this rank; `forward_tokens`: the tokens the forward ran (its
 /// `positions`, padding included); `step_tokens`: the tokens the scheduler scheduled.
-pub fn row_layout(rows: usize, forward_tokens: usize, step_tokens: usize, tp_size: usize, tp_rank: usize, what: &str) -> CoreResult<RowLayout> {
+pub fn row_layout(
+    rows: usize,
+    forward_tokens: usize,
+    step_tokens: usize,
+    tp_size: usize,
+    tp_rank: usize,
+    what: &str,
+) -> CoreResult<RowLayout> {
     if rows >= step_tokens {
         return Ok(RowLayout::Replicated);
     }

@@ -5,7 +5,13 @@ use crate::capture::tensor::Device;
 use hscapture_kernels::DType;
 
 fn cfg(assemble: bool) -> SessionConfig {
-    SessionConfig { layers: LayerPlan::new(&[1], Convention::After, 4).unwrap(), hidden_size: 2, model_dtype: DType::F32, out_dtype: DType::F32, assemble }
+    SessionConfig {
+        layers: LayerPlan::new(&[1], Convention::After, 4).unwrap(),
+        hidden_size: 2,
+        model_dtype: DType::F32,
+        out_dtype: DType::F32,
+        assemble,
+    }
 }
 
 fn out(root: Option<PathBuf>) -> OutputSettings {
@@ -15,14 +21,20 @@ fn out(root: Option<PathBuf>) -> OutputSettings {
 fn step(w: &mut WorkerSession, i: u64) -> Vec<StepReport> {
     let id = format!("r{i}");
     let input = StepInput {
-        new_requests: vec![NewRequest { req_id: id.clone(), prompt_token_ids: vec![1, 2, 3], num_computed_tokens: 0, sample: Some(i), loss_mask: None }],
+        new_requests: vec![NewRequest {
+            req_id: id.clone(),
+            prompt_token_ids: vec![1, 2, 3],
+            num_computed_tokens: 0,
+            sample: Some(i),
+            loss_mask: None,
+        }],
         num_scheduled: vec![(id.clone(), 3)],
         total_tokens: 3,
         ..Default::default()
     };
     w.begin_step(input).unwrap();
     w.plan(&[id]).unwrap();
-    let h = vec![0.5f32; 6];
+    let h = [0.5f32; 6];
     let t = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![3, 2], strides: vec![2, 1], dtype: DType::F32, device: Device::Cpu };
     // SAFETY: `h` lives for the call and nobody writes it.
     unsafe { w.capture(0, &t, None, 0).unwrap() };

@@ -37,22 +37,27 @@ class ArrowPrompts:
         self._has_mask = "loss_mask" in ds.column_names
 
     @classmethod
-    def open(cls, path: str | Path) -> "ArrowPrompts":
+    def open(cls, path: str | Path) -> ArrowPrompts:
         datasets = _datasets()
         try:
             ds = datasets.load_from_disk(str(path))
-        except Exception as e:  # datasets raises FileNotFoundError, ValueError, ... for a broken directory
-            raise ConfigError(f"cannot load the prepared dataset {path}: {type(e).__name__}: {e}; expected a directory "
-                              "written by datasets' save_to_disk") from None
+        except Exception as e:  # noqa: BLE001 - datasets raises FileNotFoundError, ValueError, ... for a broken directory
+            raise ConfigError(
+                f"cannot load the prepared dataset {path}: {type(e).__name__}: {e}; expected a directory "
+                "written by datasets' save_to_disk"
+            ) from None
         if isinstance(ds, datasets.DatasetDict):
             raise ConfigError(f"{path} holds splits {list(ds)}, not one dataset: pass one split's directory")
         if "input_ids" not in ds.column_names:
-            raise ConfigError(f"the prepared dataset {path} has columns {ds.column_names}; expected an `input_ids` "
-                              "column (speculators' prepare_data output)")
+            raise ConfigError(
+                f"the prepared dataset {path} has columns {ds.column_names}; expected an `input_ids` "
+                "column (speculators' prepare_data output)"
+            )
         if len(ds) == 0:
             raise ConfigError(f"the prepared dataset {path} has no rows")
-        self = cls(ds.with_format("numpy", columns=[c for c in ("input_ids", "loss_mask") if c in ds.column_names]),
-                   str(path))
+        self = cls(
+            ds.with_format("numpy", columns=[c for c in ("input_ids", "loss_mask") if c in ds.column_names]), str(path)
+        )
         self._raw = ds
         self._check_seq_len()
         return self
@@ -67,23 +72,29 @@ class ArrowPrompts:
         ids = self._column("input_ids")
         lengths = pc.list_value_length(ids).to_pylist()
         if min(lengths) == 0:
-            raise ConfigError(f"row {lengths.index(0)} of {self.source} has no input_ids; every prompt needs at least "
-                              "one token: drop the row or re-run speculators' preparation")
+            raise ConfigError(
+                f"row {lengths.index(0)} of {self.source} has no input_ids; every prompt needs at least "
+                "one token: drop the row or re-run speculators' preparation"
+            )
         mn = pc.min(pc.list_flatten(ids)).as_py()
         if mn is not None and mn < 0:
             raise ConfigError(f"{self.source} holds a negative token id ({mn}); expected vocabulary indices")
         if "seq_len" in self._raw.column_names:
             declared = self._column("seq_len").to_pylist()
-            bad = next((i for i, (a, b) in enumerate(zip(lengths, declared)) if a != b), None)
+            bad = next((i for i, (a, b) in enumerate(zip(lengths, declared, strict=True)) if a != b), None)
             if bad is not None:
-                raise ConfigError(f"row {bad} of {self.source}: seq_len {declared[bad]} but {lengths[bad]} input_ids; "
-                                  "the dataset is inconsistent: re-run speculators' preparation")
+                raise ConfigError(
+                    f"row {bad} of {self.source}: seq_len {declared[bad]} but {lengths[bad]} input_ids; "
+                    "the dataset is inconsistent: re-run speculators' preparation"
+                )
         if self._has_mask:
             ml = pc.list_value_length(self._column("loss_mask")).to_pylist()
-            bad = next((i for i, (a, b) in enumerate(zip(lengths, ml)) if a != b), None)
+            bad = next((i for i, (a, b) in enumerate(zip(lengths, ml, strict=True)) if a != b), None)
             if bad is not None:
-                raise ConfigError(f"row {bad} of {self.source}: {ml[bad]} loss_mask values for {lengths[bad]} input_ids; "
-                                  "the dataset is inconsistent: re-run speculators' preparation")
+                raise ConfigError(
+                    f"row {bad} of {self.source}: {ml[bad]} loss_mask values for {lengths[bad]} input_ids; "
+                    "the dataset is inconsistent: re-run speculators' preparation"
+                )
         self._lengths = lengths
 
     def __len__(self) -> int:

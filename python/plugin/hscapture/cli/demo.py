@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 from .. import envs
+from ..io import load_sample
 from ..testing import tiny
 from ..testing.compare import compare
-from ..io import load_sample
 from .extract import ExtractOptions, run_extract
 
 TOLERANCE = 1e-3
@@ -37,11 +37,25 @@ def run_demo(out: Path, tp: int = 2, max_num_batched_tokens: int = 64) -> int:
     t0 = time.perf_counter()
     model = tiny.build("deepseek_v3", cache_dir() / "models" / "tiny-deepseek-v3", seed=0)
     prompts = demo_prompts()
-    print(f"[demo] model {model} (tiny DeepSeek-V3 shape: MLA dims, MoE 8 experts + shared, YaRN), "
-          f"{len(prompts)} prompts, TP={tp}, chunked prefill every {max_num_batched_tokens} tokens", flush=True)
-    rep = run_extract(ExtractOptions(model=str(model), prompts=prompts, out=str(out), convention="before",
-                                     layers=LAYERS, tp=tp, dtype="float32", max_num_batched_tokens=max_num_batched_tokens,
-                                     overwrite=True, progress=False))
+    print(
+        f"[demo] model {model} (tiny DeepSeek-V3 shape: MLA dims, MoE 8 experts + shared, YaRN), "
+        f"{len(prompts)} prompts, TP={tp}, chunked prefill every {max_num_batched_tokens} tokens",
+        flush=True,
+    )
+    rep = run_extract(
+        ExtractOptions(
+            model=str(model),
+            prompts=prompts,
+            out=str(out),
+            convention="before",
+            layers=LAYERS,
+            tp=tp,
+            dtype="float32",
+            max_num_batched_tokens=max_num_batched_tokens,
+            overwrite=True,
+            progress=False,
+        )
+    )
     print("[demo] computing the reference with HF transformers ...", flush=True)
     refs = reference.compute_subprocess(str(model), prompts, rep.layer_ids, rep.convention, out / "reference")
     ours = []
@@ -59,8 +73,10 @@ def run_demo(out: Path, tp: int = 2, max_num_batched_tokens: int = 64) -> int:
     if rep.shims:
         print(f"  shims       {', '.join(rep.shims)}")
     print(f"  reference   HF transformers {tf_version}, float32, {cmp.tokens} tokens x {len(rep.layer_ids)} layers")
-    s, t, l = cmp.where
-    print(f"  worst relative error {cmp.worst:.2e} (sample {s}, token {t}, layer id {rep.layer_ids[l]}); "
-          f"tolerance {TOLERANCE:.0e}: {'PASS' if cmp.ok(TOLERANCE) else 'FAIL'}")
+    s, t, slot = cmp.where
+    print(
+        f"  worst relative error {cmp.worst:.2e} (sample {s}, token {t}, layer id {rep.layer_ids[slot]}); "
+        f"tolerance {TOLERANCE:.0e}: {'PASS' if cmp.ok(TOLERANCE) else 'FAIL'}"
+    )
     print(f"  total       {time.perf_counter() - t0:.0f} s")
     return 0 if cmp.ok(TOLERANCE) else 1

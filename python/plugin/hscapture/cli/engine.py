@@ -8,7 +8,7 @@ Uses ``LLM.llm_engine``'s public ``add_request`` / ``step`` / ``has_unfinished_r
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from ..vllm_compat import SAMPLE_KEY
 
@@ -19,12 +19,18 @@ def index_of(request_id: str) -> int | None:
     """The row of a request this driver sent (``hs-{i}``, vLLM may append a suffix)."""
     if not request_id.startswith(PREFIX):
         return None
-    head = request_id[len(PREFIX):].split("-", 1)[0]
+    head = request_id[len(PREFIX) :].split("-", 1)[0]
     return int(head) if head.isdigit() else None
 
 
-def drive(llm, prompts, rows: Iterable[int], on_finished: Callable[[int, int], None], window: int = 1024,
-          extra_args: Callable[[int], dict] | None = None) -> int:
+def drive(
+    llm,
+    prompts,
+    rows: Iterable[int],
+    on_finished: Callable[[int, int], None],
+    window: int = 1024,
+    extra_args: Callable[[int], dict] | None = None,
+) -> int:
     """Sends ``prompts[i]`` for each ``i`` of ``rows`` (``max_tokens=1``; ``extra_args(i)`` for the workers, by
     default the row as the sample index) and steps the engine until all finished; ``on_finished(i,
     prompt_length)`` per finished request. Returns the count."""
@@ -41,7 +47,9 @@ def drive(llm, prompts, rows: Iterable[int], on_finished: Callable[[int, int], N
             if i is None:
                 return
             rid = f"{PREFIX}{i}"
-            params = SamplingParams(max_tokens=1, detokenize=False, extra_args=extra_args(i) if extra_args else {SAMPLE_KEY: i})
+            params = SamplingParams(
+                max_tokens=1, detokenize=False, extra_args=extra_args(i) if extra_args else {SAMPLE_KEY: i}
+            )
             engine.add_request(rid, {"prompt_token_ids": prompts[i]}, params)
             sent[rid] = i
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import _native, failures, formats, runtime_env
+from .. import _native, failures, formats, lifetime, runtime_env
 from ..config import CaptureConfig, default_writer_threads
 from ..errors import CompatibilityError, ConfigError, OutputError
 from ..outlock import OutputLock
@@ -73,15 +73,21 @@ def run_extract(opts: ExtractOptions) -> ExtractReport:
 def check_options(opts: ExtractOptions) -> None:
     """Every option's range, with the flag the user wrote, before anything is read or started."""
     formats.get(opts.format)
-    for flag, value, low in (("--tp", opts.tp, 1), ("--pp", opts.pp, 1), ("--writer-threads", opts.writer_threads, 1),
-                             ("--max-num-batched-tokens", opts.max_num_batched_tokens, 1),
-                             ("--max-model-len", opts.max_model_len, 2)):
+    for flag, value, low in (
+        ("--tp", opts.tp, 1),
+        ("--pp", opts.pp, 1),
+        ("--writer-threads", opts.writer_threads, 1),
+        ("--max-num-batched-tokens", opts.max_num_batched_tokens, 1),
+        ("--max-model-len", opts.max_model_len, 2),
+    ):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
             raise ConfigError(f"{flag} must be an integer of at least {low}, found {value!r}")
     if isinstance(opts.compress, bool) or not isinstance(opts.compress, int) or not 0 <= opts.compress <= 22:
         raise ConfigError(f"--compress must be 0 (none) or a zstd level 1..22, found {opts.compress!r}")
     if opts.compress and opts.format != "hscapture":
-        raise ConfigError(f"--compress applies to --format hscapture; the {opts.format} format stores states as they are")
+        raise ConfigError(
+            f"--compress applies to --format hscapture; the {opts.format} format stores states as they are"
+        )
     if opts.overwrite and opts.resume:
         raise ConfigError("--overwrite and --resume contradict each other: choose one")
 
@@ -104,8 +110,9 @@ def check_executor(executor: str | None) -> None:
     try:
         import ray  # noqa: F401
     except ImportError:
-        raise ConfigError("--executor ray needs the `ray` package on every node (pip install ray); it is not "
-                          "installed here") from None
+        raise ConfigError(
+            "--executor ray needs the `ray` package on every node (pip install ray); it is not installed here"
+        ) from None
     from vllm.platforms import current_platform
 
     if not getattr(current_platform, "ray_device_key", ""):
@@ -119,9 +126,15 @@ def identity(opts: ExtractOptions, ids: list[int], cfg: dict) -> dict:
     """The run's identity as far as the driver knows it (the stored dtype may be vLLM's choice: `auto`)."""
     text = text_config(cfg)
     dtype = opts.store_dtype if opts.store_dtype != "auto" else opts.dtype
-    return {"format": formats.get(opts.format).name, "model": str(opts.model), "layer_ids": ids,
-            "convention": opts.convention, "dtype": dtype, "hidden_size": int(text["hidden_size"]),
-            "num_hidden_layers": int(text["num_hidden_layers"])}
+    return {
+        "format": formats.get(opts.format).name,
+        "model": str(opts.model),
+        "layer_ids": ids,
+        "convention": opts.convention,
+        "dtype": dtype,
+        "hidden_size": int(text["hidden_size"]),
+        "num_hidden_layers": int(text["num_hidden_layers"]),
+    }
 
 
 def _run_extract(opts: ExtractOptions) -> ExtractReport:
@@ -143,16 +156,28 @@ def _run_extract(opts: ExtractOptions) -> ExtractReport:
     aside = outdir.prepare(out, opts.overwrite, opts.resume, fmt)
     try:
         failures.clear(out)
-        info = ShardInfo(shard.k, shard.n, len(prompts), opts.input_path or getattr(prompts, "source", ""),
-                         prompts.fingerprint(), fmt.name) if shard else None
+        info = (
+            ShardInfo(
+                shard.k,
+                shard.n,
+                len(prompts),
+                opts.input_path or getattr(prompts, "source", ""),
+                prompts.fingerprint(),
+                fmt.name,
+            )
+            if shard
+            else None
+        )
         checks: list[str] = [f"layer ids {ids} validated for {n_layers} layers ({opts.convention} convention)"]
         done: dict[int, dict] = {}
         found_identity = None
         if opts.resume:
             check_resume(out, info)
             done, found_identity = _resume(out, prompts, set(rows), identity(opts, ids, model_cfg))
-            checks.append(f"resume: {len(done)} finished files kept, each re-read whole with the checksum its record "
-                          "vouches for, the run's settings and tokens equal to their prompts")
+            checks.append(
+                f"resume: {len(done)} finished files kept, each re-read whole with the checksum its record "
+                "vouches for, the run's settings and tokens equal to their prompts"
+            )
         if info is not None:
             info.write(out)
         todo = [i for i in rows if i not in done]
@@ -192,9 +217,18 @@ def _resume(out: Path, prompts, rows: set[int], ident: dict) -> tuple[dict[int, 
 def _capture(opts, prompts, fmt, out, aside, ids, rows, todo, done, checks, shard, model_cfg) -> ExtractReport:
     runtime_env.apply(opts.tp * opts.pp)
     shims = apply_driver_shims(model_cfg)
-    cfg = CaptureConfig(layers=tuple(ids), convention=opts.convention, out=str(out), dtype=opts.store_dtype,
-                        writer_threads=opts.writer_threads, durable=opts.durable, model_name=str(opts.model),
-                        on_nonfinite=opts.on_nonfinite, compress=opts.compress, format=fmt.name)
+    cfg = CaptureConfig(
+        layers=tuple(ids),
+        convention=opts.convention,
+        out=str(out),
+        dtype=opts.store_dtype,
+        writer_threads=opts.writer_threads,
+        durable=opts.durable,
+        model_name=str(opts.model),
+        on_nonfinite=opts.on_nonfinite,
+        compress=opts.compress,
+        format=fmt.name,
+    )
 
     from vllm import LLM
 
@@ -221,6 +255,7 @@ def _capture(opts, prompts, fmt, out, aside, ids, rows, todo, done, checks, shar
     if opts.progress:
         kwargs["use_tqdm_on_load"] = False  # one progress bar on the terminal: ours (generate's is not used either)
     kwargs.update(opts.llm_kwargs)
+    os.environ[lifetime.MARK] = str(os.getpid())  # the processes vLLM starts now die with this one
     try:
         llm = LLM(**kwargs)
     except Exception as e:
@@ -230,9 +265,14 @@ def _capture(opts, prompts, fmt, out, aside, ids, rows, todo, done, checks, shar
     total_tokens = sum(prompts.length(i) for i in todo)
     progress = None
     if opts.progress or opts.log_every > 0:
-        progress = Progress(len(todo), total_tokens, _bytes_per_token(model_cfg, opts, len(ids)),
-                            interactive=opts.progress, every=opts.log_every or 30.0,
-                            label=f"shard {shard}" if shard else "capture")
+        progress = Progress(
+            len(todo),
+            total_tokens,
+            _bytes_per_token(model_cfg, opts, len(ids)),
+            interactive=opts.progress,
+            every=opts.log_every or 30.0,
+            label=f"shard {shard}" if shard else "capture",
+        )
 
     def finished(i: int, length: int) -> None:
         if progress is not None:
@@ -244,10 +284,11 @@ def _capture(opts, prompts, fmt, out, aside, ids, rows, todo, done, checks, shar
 
     try:
         t0 = time.perf_counter()
-        drive(llm, prompts, todo, finished, window=opts.window, extra_args=extra)
-        results = [r for r in llm.collective_rpc("hscapture_finish") if r]
+        with lifetime.Watchdog(lifetime.engine_processes(llm)):
+            drive(llm, prompts, todo, finished, window=opts.window, extra_args=extra)
+            results = [r for r in llm.collective_rpc("hscapture_finish") if r]
         seconds = time.perf_counter() - t0
-    except Exception as e:
+    except Exception as e:  # a worker's recorded error is the root cause of a dead engine: it comes first
         failures.raise_recorded(out, e)
         raise
     finally:
@@ -260,8 +301,10 @@ def _capture(opts, prompts, fmt, out, aside, ids, rows, todo, done, checks, shar
         raise OutputError(f"expected one writing rank, {len(writers)} reported; results: {results}")
     w = writers[0]
     stats = w.get("stats", {})
-    checks.append(f"contract per step (shapes, dtypes, rows = prompt tokens, finite values): {stats.get('steps', '?')} "
-                  f"steps, {stats.get('rows', '?')} rows")
+    checks.append(
+        f"contract per step (shapes, dtypes, rows = prompt tokens, finite values): {stats.get('steps', '?')} "
+        f"steps, {stats.get('rows', '?')} rows"
+    )
     if opts.tp > 1:
         checks.append(f"each step's checksum equal on all {opts.tp} TP ranks")
     rep = _finish(out, opts, prompts, rows, done, w, seconds, shims, checks, None)
@@ -284,8 +327,18 @@ def _bytes_per_token(cfg: dict, opts: ExtractOptions, n: int) -> int:
     return n * int(text_config(cfg)["hidden_size"]) * sizes.get(dt, 2)
 
 
-def _finish(out: Path, opts: ExtractOptions, prompts, rows: list[int], done: dict, w: dict | None, seconds: float,
-            shims: list[str], checks: list[str], found_identity: dict | None) -> ExtractReport:
+def _finish(
+    out: Path,
+    opts: ExtractOptions,
+    prompts,
+    rows: list[int],
+    done: dict,
+    w: dict | None,
+    seconds: float,
+    shims: list[str],
+    checks: list[str],
+    found_identity: dict | None,
+) -> ExtractReport:
     """Checks that every row has its file and writes the manifest (earlier finished samples included)."""
     fmt = formats.get(opts.format)
     records = list(done.values()) + (w["records"] if w else [])
@@ -315,10 +368,20 @@ def _finish(out: Path, opts: ExtractOptions, prompts, rows: list[int], done: dic
     }
     if skipped:
         manifest["skipped"] = [{"index": x["index"], "why": x["why"]} for x in skipped]
-    fmt.write_documents(out, records, manifest, formats.RunInfo(
-        model=str(opts.model), input_path=opts.input_path or getattr(prompts, "source", ""), num_samples=len(rows),
-        seq_length=opts.max_model_len or max(r["length"] for r in records) + 1, tp=opts.tp,
-        gpu_memory_utilization=opts.llm_kwargs.get("gpu_memory_utilization"), durable=opts.durable))
+    fmt.write_documents(
+        out,
+        records,
+        manifest,
+        formats.RunInfo(
+            model=str(opts.model),
+            input_path=opts.input_path or getattr(prompts, "source", ""),
+            num_samples=len(rows),
+            seq_length=opts.max_model_len or max(r["length"] for r in records) + 1,
+            tp=opts.tp,
+            gpu_memory_utilization=opts.llm_kwargs.get("gpu_memory_utilization"),
+            durable=opts.durable,
+        ),
+    )
     _native.write_manifest(str(out / "manifest.json"), json.dumps(manifest))
     new = w["records"] if w else []
     return ExtractReport(
@@ -338,9 +401,12 @@ def _finish(out: Path, opts: ExtractOptions, prompts, rows: list[int], done: dic
         shard=opts.shard,
         skipped=len(skipped),
         compressed=bool(opts.compress),
-        checks=checks + [f"manifest: {len(records)} samples, every row {'of shard ' + opts.shard + ' ' if opts.shard else ''}"
-                         f"has its file{f' or is listed as skipped ({len(skipped)})' if skipped else ''}; run "
-                         "`hscapture verify` to re-read every file"],
+        checks=checks
+        + [
+            f"manifest: {len(records)} samples, every row {'of shard ' + opts.shard + ' ' if opts.shard else ''}"
+            f"has its file{f' or is listed as skipped ({len(skipped)})' if skipped else ''}; run "
+            "`hscapture verify` to re-read every file"
+        ],
     )
 
 

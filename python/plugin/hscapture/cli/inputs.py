@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 from array import array
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from .. import _native
 from ..errors import ConfigError
@@ -27,7 +27,7 @@ class PromptSet:
         self._flat, self._off, self._masks, self.source = flat, offsets, masks or {}, source
 
     @classmethod
-    def from_lists(cls, prompts: Sequence[Sequence[int]], source: str = "prompts") -> "PromptSet":
+    def from_lists(cls, prompts: Sequence[Sequence[int]], source: str = "prompts") -> PromptSet:
         flat, off = array("q"), array("q", [0])
         for p in prompts:
             flat.extend(p)
@@ -38,7 +38,7 @@ class PromptSet:
         return len(self._off) - 1
 
     def __getitem__(self, i: int) -> list[int]:
-        return self._flat[self._off[i]: self._off[i + 1]].tolist()
+        return self._flat[self._off[i] : self._off[i + 1]].tolist()
 
     def length(self, i: int) -> int:
         return self._off[i + 1] - self._off[i]
@@ -72,20 +72,27 @@ def input_kind(path: str | Path) -> str:
             return "arrow"
         if (p / "dataset_dict.json").exists():
             splits = sorted(x.name for x in p.iterdir() if x.is_dir())
-            raise ConfigError(f"{p} is a dataset with splits {splits}, not one dataset: pass one split's directory, "
-                              f"e.g. --input {p / (splits[0] if splits else 'train')}")
-        raise ConfigError(f"{p} is a directory without dataset_info.json or state.json: expected speculators' prepared "
-                          "dataset (saved with datasets' save_to_disk) or a .jsonl file")
+            raise ConfigError(
+                f"{p} is a dataset with splits {splits}, not one dataset: pass one split's directory, "
+                f"e.g. --input {p / (splits[0] if splits else 'train')}"
+            )
+        raise ConfigError(
+            f"{p} is a directory without dataset_info.json or state.json: expected speculators' prepared "
+            "dataset (saved with datasets' save_to_disk) or a .jsonl file"
+        )
     if not p.exists():
         raise ConfigError(f"input {p} does not exist; {JSONL_HINT}, or a prepared dataset directory (save_to_disk)")
     if p.suffix == ".jsonl":
         return "jsonl"
-    raise ConfigError(f"input {p} is neither a .jsonl file nor a dataset directory; {JSONL_HINT} (name it *.jsonl), "
-                      "or pass speculators' prepared dataset directory")
+    raise ConfigError(
+        f"input {p} is neither a .jsonl file nor a dataset directory; {JSONL_HINT} (name it *.jsonl), "
+        "or pass speculators' prepared dataset directory"
+    )
 
 
-def open_input(path: str | Path, model: str | Path, tokenizer: str | None = None,
-               trust_remote_code: bool = False) -> PromptSet:
+def open_input(
+    path: str | Path, model: str | Path, tokenizer: str | None = None, trust_remote_code: bool = False
+) -> PromptSet:
     """Reads ``--input``, its kind detected from the path."""
     if input_kind(path) == "arrow":
         from .arrow import ArrowPrompts
@@ -114,8 +121,9 @@ def read_jsonl(path: str | Path, get_tokenizer) -> PromptSet:
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}:{n}: not valid JSON ({e.msg}); {JSONL_HINT}") from None
             if not isinstance(obj, dict):
-                raise ConfigError(f"{path}:{n}: expected an object with \"token_ids\" (a list of non-negative integers) "
-                                  "or \"text\"")
+                raise ConfigError(
+                    f'{path}:{n}: expected an object with "token_ids" (a list of non-negative integers) or "text"'
+                )
             ids = obj.get("token_ids")
             if ids is None and isinstance(obj.get("text"), str):
                 if tok is None:
@@ -124,16 +132,21 @@ def read_jsonl(path: str | Path, get_tokenizer) -> PromptSet:
                     except ConfigError as e:
                         raise ConfigError(f"{path}:{n}: {e}") from None
                 ids = tok(obj["text"])
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-                raise ConfigError(f"{path}:{n}: expected an object with \"token_ids\": a list of non-negative integers "
-                                  "(or \"text\")")
+            if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+            ):
+                raise ConfigError(
+                    f'{path}:{n}: expected an object with "token_ids": a list of non-negative integers (or "text")'
+                )
             if not ids:
                 raise ConfigError(f"{path}:{n}: the prompt is empty; every prompt needs at least one token")
             if "loss_mask" in obj:
                 m = obj["loss_mask"]
                 if not isinstance(m, list) or len(m) != len(ids) or any(x not in (0, 1) for x in m):
-                    raise ConfigError(f"{path}:{n}: \"loss_mask\" must be a list of 0/1 as long as the prompt "
-                                      f"({len(ids)} tokens); found {str(m)[:60]}")
+                    raise ConfigError(
+                        f'{path}:{n}: "loss_mask" must be a list of 0/1 as long as the prompt '
+                        f"({len(ids)} tokens); found {str(m)[:60]}"
+                    )
                 masks[len(off) - 1] = m
             flat.extend(ids)
             off.append(len(flat))
@@ -150,16 +163,20 @@ def load_tokenizer(model: str | Path | None, tokenizer: str | None, trust_remote
     if where is None:
         raise ConfigError(f'the input has "text" prompts but no tokenizer was given; {fix}')
     if tokenizer is None and not has_tokenizer(where):
-        raise ConfigError(f'the input has "text" prompts but the model directory {where} has no tokenizer files '
-                          f"(tokenizer.json, tokenizer.model, tokenizer_config.json); {fix}")
+        raise ConfigError(
+            f'the input has "text" prompts but the model directory {where} has no tokenizer files '
+            f"(tokenizer.json, tokenizer.model, tokenizer_config.json); {fix}"
+        )
     try:
         from transformers import AutoTokenizer
 
         t = AutoTokenizer.from_pretrained(str(where), trust_remote_code=trust_remote_code)
-    except Exception as e:  # transformers raises OSError, ValueError, ... for an unusable directory
+    except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, ... for an unusable directory
         remote = "" if trust_remote_code else " (a tokenizer with its own code needs --trust-remote-code)"
-        raise ConfigError(f"cannot load a tokenizer from {where}: {type(e).__name__}: {e}; pass --tokenizer with a "
-                          f"directory that AutoTokenizer.from_pretrained reads{remote}") from None
+        raise ConfigError(
+            f"cannot load a tokenizer from {where}: {type(e).__name__}: {e}; pass --tokenizer with a "
+            f"directory that AutoTokenizer.from_pretrained reads{remote}"
+        ) from None
     return lambda text: list(t(text)["input_ids"])
 
 

@@ -15,10 +15,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import _native
+from .. import _native, formats
 from ..errors import ConfigError, OutputError
 from ..outlock import OutputLock
-from .. import formats
 from .shard import ShardInfo
 
 SETTINGS = ("layer_ids", "convention", "dtype", "hidden_size", "num_hidden_layers", "tensor_parallel_size")
@@ -36,7 +35,9 @@ class MergeReport:
     moved: int
 
     def lines(self) -> list[str]:
-        how = ", ".join(f"{n} {w}" for n, w in ((self.linked, "hard-linked"), (self.moved, "moved"), (self.copied, "copied")) if n)
+        how = ", ".join(
+            f"{n} {w}" for n, w in ((self.linked, "hard-linked"), (self.moved, "moved"), (self.copied, "copied")) if n
+        )
         return [
             f"merged      {self.shards} shards -> {self.out}",
             f"samples     {self.samples} (every row of the input once)",
@@ -48,12 +49,15 @@ class MergeReport:
 
 def _load(d: Path) -> tuple[dict, ShardInfo]:
     if not (d / "manifest.json").exists():
-        raise OutputError(f"{d} has no manifest.json: that shard did not finish; run its extract again with --resume, "
-                          "then merge")
+        raise OutputError(
+            f"{d} has no manifest.json: that shard did not finish; run its extract again with --resume, then merge"
+        )
     info = ShardInfo.read(d)
     if info is None:
-        raise ConfigError(f"{d} has no shard.json: it was not written by `extract --shard k/n`; merge takes the shard "
-                          "directories of one sharded input")
+        raise ConfigError(
+            f"{d} has no shard.json: it was not written by `extract --shard k/n`; merge takes the shard "
+            "directories of one sharded input"
+        )
     return json.loads(_native.read_manifest(str(d / "manifest.json"))), info
 
 
@@ -64,16 +68,24 @@ def check(dirs: list[Path]) -> tuple[list[tuple[Path, dict, ShardInfo]], dict]:
     shards = [(d, *_load(d)) for d in dirs]
     d0, m0, i0 = shards[0]
     for d, m, info in shards[1:]:
-        for what, a, b in [("input rows", i0.rows, info.rows), ("input fingerprint", i0.input_fingerprint, info.input_fingerprint),
-                           ("shard count", i0.of, info.of), ("format", i0.format, info.format),
-                           ("model", Path(m0["model"]).name, Path(m["model"]).name)] + [(k, m0[k], m[k]) for k in SETTINGS]:
+        for what, a, b in [
+            ("input rows", i0.rows, info.rows),
+            ("input fingerprint", i0.input_fingerprint, info.input_fingerprint),
+            ("shard count", i0.of, info.of),
+            ("format", i0.format, info.format),
+            ("model", Path(m0["model"]).name, Path(m["model"]).name),
+        ] + [(k, m0[k], m[k]) for k in SETTINGS]:
             if a != b:
-                raise ConfigError(f"{d} and {d0} differ in {what} ({b!r} vs {a!r}): they are not shards of one run; "
-                                  "merge only the shards of one input run with the same settings")
+                raise ConfigError(
+                    f"{d} and {d0} differ in {what} ({b!r} vs {a!r}): they are not shards of one run; "
+                    "merge only the shards of one input run with the same settings"
+                )
     seen: dict[int, Path] = {}
     for d, _, info in shards:
         if info.shard in seen:
-            raise ConfigError(f"shard {info.shard}/{info.of} is given twice ({seen[info.shard]} and {d}); give each once")
+            raise ConfigError(
+                f"shard {info.shard}/{info.of} is given twice ({seen[info.shard]} and {d}); give each once"
+            )
         seen[info.shard] = d
     missing = sorted(set(range(i0.of)) - set(seen))
     if missing:
@@ -83,15 +95,19 @@ def check(dirs: list[Path]) -> tuple[list[tuple[Path, dict, ShardInfo]], dict]:
         for r in m["samples"]:
             i = r.get("index")
             if i is None or i % info.of != info.shard:
-                raise OutputError(f"{d}/manifest.json lists sample {i}, which is not a row of shard {info.shard}/{info.of}; "
-                                  "the shard directory was mixed with another run: re-run that shard with --overwrite")
+                raise OutputError(
+                    f"{d}/manifest.json lists sample {i}, which is not a row of shard {info.shard}/{info.of}; "
+                    "the shard directory was mixed with another run: re-run that shard with --overwrite"
+                )
             if i in owner:
                 raise OutputError(f"sample {i} is in {owner[i]} and in {d}; each row must come from one shard")
             owner[i] = d
     absent = sorted(set(range(i0.rows)) - set(owner))
     if absent:
-        raise OutputError(f"{len(absent)} of {i0.rows} rows have no sample in any shard (first: {absent[:10]}); resume the "
-                          "shards that miss them (extract --shard k/n --resume), then merge")
+        raise OutputError(
+            f"{len(absent)} of {i0.rows} rows have no sample in any shard (first: {absent[:10]}); resume the "
+            "shards that miss them (extract --shard k/n --resume), then merge"
+        )
     return shards, m0
 
 
@@ -102,8 +118,10 @@ def _place(src: Path, dst: Path, size: int, move: bool) -> str:
             return "moved"  # an earlier, interrupted merge moved it already
         raise OutputError(f"{src} is listed in its shard's manifest but missing; run hscapture verify on that shard")
     if src.stat().st_size != size:
-        raise OutputError(f"{src} has {src.stat().st_size} bytes, its manifest says {size}: the file changed; run "
-                          "hscapture verify on that shard")
+        raise OutputError(
+            f"{src} has {src.stat().st_size} bytes, its manifest says {size}: the file changed; run "
+            "hscapture verify on that shard"
+        )
     tmp = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
     tmp.unlink(missing_ok=True)
     try:
@@ -162,5 +180,11 @@ def _merge(out: Path, shards, m0: dict, move: bool) -> MergeReport:
     manifest["samples"] = records
     manifest["created_by"] = {**m0.get("created_by", {}), "merge": f"{len(shards)} shards"}
     _native.write_manifest(str(out / "manifest.json"), json.dumps(manifest))
-    return MergeReport(out=str(out), shards=len(shards), samples=len(records), tokens=sum(r["length"] for r in records),
-                       bytes=sum(r["bytes"] for r in records), **counts)
+    return MergeReport(
+        out=str(out),
+        shards=len(shards),
+        samples=len(records),
+        tokens=sum(r["length"] for r in records),
+        bytes=sum(r["bytes"] for r in records),
+        **counts,
+    )

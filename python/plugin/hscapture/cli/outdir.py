@@ -13,22 +13,37 @@ from ..errors import ConfigError, OutputError
 
 ASIDE = ".hscapture-replaced"
 # What a capture consists of at the top of OUT, besides its format's sample files.
-_OWN = ("hidden_states", "manifest.json", "shard.json", _native.JOURNAL, "sample_lengths.json", "data_config.json",
-        ".hscapture-errors")
+_OWN = (
+    "hidden_states",
+    "manifest.json",
+    "shard.json",
+    _native.JOURNAL,
+    "sample_lengths.json",
+    "data_config.json",
+    ".hscapture-errors",
+)
 
 
 def _entries(out: Path, fmt) -> list[Path]:
     """The entries of OUT that belong to a capture (its files, documents, ledger)."""
     found = [out / n for n in _OWN if (out / n).exists()]
     if not fmt.folder and out.is_dir():
-        found += [p for p in out.iterdir() if fmt.index_of(p.name) is not None or (".partial-" in p.name and p.name.startswith("."))]
+        found += [
+            p
+            for p in out.iterdir()
+            if fmt.index_of(p.name) is not None or (".partial-" in p.name and p.name.startswith("."))
+        ]
     return found
 
 
 def holds_capture(out: Path) -> bool:
     from .. import formats
 
-    return (out / "manifest.json").exists() or (out / _native.JOURNAL).exists() or any(f.holds_capture(out) for f in formats.FORMATS.values())
+    return (
+        (out / "manifest.json").exists()
+        or (out / _native.JOURNAL).exists()
+        or any(f.holds_capture(out) for f in formats.FORMATS.values())
+    )
 
 
 def prepare(out: Path, overwrite: bool, resume: bool = False, fmt=None) -> Path | None:

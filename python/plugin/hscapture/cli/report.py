@@ -26,8 +26,17 @@ def _rate(r: float) -> str:
 class Progress:
     """Counts finished samples; draws a bar (``interactive``) or prints a line every ``every`` seconds."""
 
-    def __init__(self, samples: int, tokens: int, bytes_per_token: int, *, interactive: bool, every: float = 30.0,
-                 stream=None, label: str = "capture") -> None:
+    def __init__(
+        self,
+        samples: int,
+        tokens: int,
+        bytes_per_token: int,
+        *,
+        interactive: bool,
+        every: float = 30.0,
+        stream=None,
+        label: str = "capture",
+    ) -> None:
         self.total_samples, self.total_tokens, self.bpt = samples, tokens, bytes_per_token
         self.samples = self.tokens = 0
         self.every, self.stream = every, stream or sys.stdout
@@ -39,8 +48,14 @@ class Progress:
         if interactive:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=samples, desc=label, unit="sample", file=self.stream, dynamic_ncols=True,
-                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} samples [{elapsed}{postfix}]")
+            self._bar = tqdm(
+                total=samples,
+                desc=label,
+                unit="sample",
+                file=self.stream,
+                dynamic_ncols=True,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} samples [{elapsed}{postfix}]",
+            )
 
     def _figures(self) -> tuple[float, float, float]:
         """tokens/s since the first request finished (the warm-up before it, the first forward, would distort the
@@ -58,8 +73,10 @@ class Progress:
     def line(self) -> str:
         rate, gb, eta = self._figures()
         pct = 100.0 * self.samples / self.total_samples if self.total_samples else 100.0
-        return (f"[hscapture] {self.samples}/{self.total_samples} samples ({pct:.1f}%), {self.tokens:,} tokens, "
-                f"{_rate(rate)} tokens/s, {gb:.3f} GB, elapsed {_hms(time.monotonic() - self.t0)}, ETA {_hms(eta)}")
+        return (
+            f"[hscapture] {self.samples}/{self.total_samples} samples ({pct:.1f}%), {self.tokens:,} tokens, "
+            f"{_rate(rate)} tokens/s, {gb:.3f} GB, elapsed {_hms(time.monotonic() - self.t0)}, ETA {_hms(eta)}"
+        )
 
     def update(self, samples: int, tokens: int) -> None:
         if self._first is None:
@@ -123,21 +140,34 @@ class ExtractReport:
 
     def lines(self) -> list[str]:
         out = [
-            f"samples     {self.samples}" + (f" (+{self.resumed} finished earlier, kept)" if self.resumed else "")
-            + (f"; {self.skipped} skipped for NaN/Inf values (listed in the manifest, retried by --resume)" if self.skipped else ""),
+            f"samples     {self.samples}"
+            + (f" (+{self.resumed} finished earlier, kept)" if self.resumed else "")
+            + (
+                f"; {self.skipped} skipped for NaN/Inf values (listed in the manifest, retried by --resume)"
+                if self.skipped
+                else ""
+            ),
             f"tokens      {self.tokens}",
             f"bytes       {self.bytes} ({self.bytes / 2**20:.1f} MiB)",
             f"throughput  {self.tokens_per_s:,.0f} tokens/s ({self.seconds:.1f} s capture"
-            + (f"; {self.steady_tokens_per_s:,.0f} tokens/s after the first forward)" if self.steady_tokens_per_s == self.steady_tokens_per_s else ")"),
+            + (
+                f"; {self.steady_tokens_per_s:,.0f} tokens/s after the first forward)"
+                if self.steady_tokens_per_s == self.steady_tokens_per_s
+                else ")"
+            ),
             f"layers      {self.layer_ids} ({self.convention} convention), {self.dtype}",
         ]
         if self.traced_calls is not None:
-            out.append(f"compiled    torch.compile on; the compiled graph's taps in captured steps: {self.traced_calls}")
+            out.append(
+                f"compiled    torch.compile on; the compiled graph's taps in captured steps: {self.traced_calls}"
+            )
         if self.shard:
             out.append(f"shard       {self.shard} (global row indices; combine with hscapture merge)")
         out += [f"checks      {c}" for c in self.checks]
         out.append(f"output      {self.where}")
         if self.compressed:
-            out.append("compressed  states stored as `hidden_states.zst` (byte planes + zstd): read them with "
-                       "hscapture.load_sample; safetensors.load_file alone sees only the compressed bytes")
+            out.append(
+                "compressed  states stored as `hidden_states.zst` (byte planes + zstd): read them with "
+                "hscapture.load_sample; safetensors.load_file alone sees only the compressed bytes"
+            )
         return out

@@ -22,13 +22,19 @@ def run(script: str, args: list[str], use_hscapture: bool = True) -> None:
     except ImportError as e:
         from ..errors import CompatibilityError
 
-        raise CompatibilityError(f"speculators' generator ({GENERATOR}) cannot be imported: {e}; install speculators") from e
+        raise CompatibilityError(
+            f"speculators' generator ({GENERATOR}) cannot be imported: {e}; install speculators"
+        ) from e
     applied = apply_generator_shims(mod)
     if use_hscapture:
-        from ..speculators_plugin import swap_extension
+        from ..plugin import swap_extension
 
         swap_extension()
-    print(f"[hscapture] running {script} with speculators on {'hscapture' if use_hscapture else 'its own extension'}"
-          f"; shims: {', '.join(applied) or 'none'}", file=sys.stderr, flush=True)
+    print(
+        f"[hscapture] running {script} with speculators on {'hscapture' if use_hscapture else 'its own extension'}"
+        f"; shims: {', '.join(applied) or 'none'}",
+        file=sys.stderr,
+        flush=True,
+    )
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")

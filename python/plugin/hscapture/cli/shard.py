@@ -19,11 +19,13 @@ class Shard:
     n: int
 
     @classmethod
-    def parse(cls, spec: str) -> "Shard":
+    def parse(cls, spec: str) -> Shard:
         try:
             k, n = (int(x) for x in spec.split("/"))
         except ValueError:
-            raise ConfigError(f"--shard expects k/n such as 0/4 (shard k of n, counting from 0); found {spec!r}") from None
+            raise ConfigError(
+                f"--shard expects k/n such as 0/4 (shard k of n, counting from 0); found {spec!r}"
+            ) from None
         if n < 1 or not 0 <= k < n:
             raise ConfigError(f"--shard {spec}: expected 0 <= k < n (shards are numbered 0..n-1)")
         return cls(k, n)
@@ -52,14 +54,16 @@ class ShardInfo:
         write_json(out / FILE, asdict(self))
 
     @classmethod
-    def read(cls, out: Path) -> "ShardInfo | None":
+    def read(cls, out: Path) -> ShardInfo | None:
         p = out / FILE
         if not p.exists():
             return None
         try:
             return cls(**json.loads(p.read_text()))
         except (ValueError, TypeError) as e:
-            raise OutputError(f"{p} is not a shard record ({e}); it may be damaged: re-run that shard with --overwrite") from None
+            raise OutputError(
+                f"{p} is not a shard record ({e}); it may be damaged: re-run that shard with --overwrite"
+            ) from None
 
 
 def check_resume(out: Path, now: ShardInfo | None) -> None:
@@ -69,10 +73,14 @@ def check_resume(out: Path, now: ShardInfo | None) -> None:
     if before is None:
         return
     if now is None:
-        raise ConfigError(f"{out} holds shard {before.shard}/{before.of}; this run is unsharded: resume with "
-                          f"--shard {before.shard}/{before.of}, or use --overwrite / another --out")
+        raise ConfigError(
+            f"{out} holds shard {before.shard}/{before.of}; this run is unsharded: resume with "
+            f"--shard {before.shard}/{before.of}, or use --overwrite / another --out"
+        )
     a, b = asdict(before), asdict(now)
     diff = [k for k in a if k != "input" and a[k] != b[k]]
     if diff:
-        raise ConfigError(f"{out} holds shard {before.shard}/{before.of} of another run ({', '.join(f'{k}: {a[k]} vs {b[k]}' for k in diff)}); "
-                          "resume with the same input and --shard, or use --overwrite / another --out")
+        raise ConfigError(
+            f"{out} holds shard {before.shard}/{before.of} of another run ({', '.join(f'{k}: {a[k]} vs {b[k]}' for k in diff)}); "
+            "resume with the same input and --shard, or use --overwrite / another --out"
+        )

@@ -19,8 +19,10 @@ def run_verify(root: Path, model: str | None = None, n: int = 2) -> int:
     m = json.loads(_native.read_manifest(str(root / "manifest.json")))
     fmt = formats.of_manifest(m)
     problems += fmt.check_documents(root, m)
-    print(f"checked {samples} samples, {tokens} tokens, {nbytes / 2**20:.1f} MiB in {root} ({fmt.name} format: "
-          f"{fmt.file_pattern})")
+    print(
+        f"checked {samples} samples, {tokens} tokens, {nbytes / 2**20:.1f} MiB in {root} ({fmt.name} format: "
+        f"{fmt.file_pattern})"
+    )
     for p in problems[:50]:
         print(f"  PROBLEM {p}")
     if len(problems) > 50:
@@ -34,14 +36,17 @@ def run_verify(root: Path, model: str | None = None, n: int = 2) -> int:
         loaded = [load_sample(root / s["file"]) for s in picked]
         work = Path(tempfile.mkdtemp(prefix="hscapture-verify-"))
         try:
-            refs = reference.compute_subprocess(model, [x["token_ids"].tolist() for x in loaded], m["layer_ids"],
-                                                m["convention"], work)
+            refs = reference.compute_subprocess(
+                model, [x["token_ids"].tolist() for x in loaded], m["layer_ids"], m["convention"], work
+            )
         finally:
             shutil.rmtree(work, ignore_errors=True)
         cmp = compare([x["hidden_states"] for x in loaded], refs)
         good = cmp.ok(TOLERANCE)
-        print(f"  recomputed {len(picked)} samples with HF transformers: worst relative error {cmp.worst:.2e} "
-              f"({'PASS' if good else 'FAIL'}, tolerance {TOLERANCE:.0e}; bf16 data needs ~1e-2)")
+        print(
+            f"  recomputed {len(picked)} samples with HF transformers: worst relative error {cmp.worst:.2e} "
+            f"({'PASS' if good else 'FAIL'}, tolerance {TOLERANCE:.0e}; bf16 data needs ~1e-2)"
+        )
         ok = ok and good
     print("OK" if ok else "FAILED")
     return 0 if ok else 1

@@ -24,12 +24,12 @@ _OWNED = {
     "max_model_len": "--max-model-len",
     "distributed_executor_backend": "--executor",
     "enforce_eager": "--compile (hscapture runs vLLM eager unless --compile is given)",
-    "trust_remote_code": "--trust-remote-code (it also applies to the tokenizer of \"text\" prompts)",
+    "trust_remote_code": '--trust-remote-code (it also applies to the tokenizer of "text" prompts)',
     "skip_tokenizer_init": "nothing: hscapture loads vLLM's tokenizer only when the model directory has one",
-    "tokenizer": "--tokenizer (hscapture tokenizes \"text\" prompts itself; vLLM gets token ids)",
+    "tokenizer": '--tokenizer (hscapture tokenizes "text" prompts itself; vLLM gets token ids)',
     "worker_cls": "nothing: hscapture runs vLLM with its own worker class",
     "worker_extension_cls": "nothing: hscapture's worker class carries the capture; an extension would not be loaded "
-                            "the way hscapture expects",
+    "the way hscapture expects",
     "additional_config": "hscapture's own flags: it passes its settings to the workers this way",
 }
 _WORDS = {"true": True, "false": False, "null": None, "none": None}
@@ -72,8 +72,10 @@ def parse(items: list[str] | None, fields: dict[str, str] | None = None) -> dict
         key, sep, text = item.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or not key:
-            raise ConfigError(f"--vllm-arg expects KEY=VALUE (one of vLLM's engine arguments, e.g. "
-                              f"gpu_memory_utilization=0.9), found {item!r}")
+            raise ConfigError(
+                f"--vllm-arg expects KEY=VALUE (one of vLLM's engine arguments, e.g. "
+                f"gpu_memory_utilization=0.9), found {item!r}"
+            )
         if key in out:
             raise ConfigError(f"--vllm-arg {key} is given twice ({out[key]!r} and {text!r}); give it once")
         if key in _OWNED:
@@ -84,8 +86,10 @@ def parse(items: list[str] | None, fields: dict[str, str] | None = None) -> dict
             raise ConfigError(f"--vllm-arg {key}: not one of vLLM's engine arguments (vllm.EngineArgs fields){hint}")
         value = _value(text, known[key])
         if key == "enable_prefix_caching" and value is not False:
-            raise ConfigError(f"--vllm-arg enable_prefix_caching={text}: a prompt prefix served from vLLM's cache is "
-                              "never computed, so its states would be missing; hscapture turns prefix caching off "
-                              "(false is the only value accepted)")
+            raise ConfigError(
+                f"--vllm-arg enable_prefix_caching={text}: a prompt prefix served from vLLM's cache is "
+                "never computed, so its states would be missing; hscapture turns prefix caching off "
+                "(false is the only value accepted)"
+            )
         out[key] = value
     return out

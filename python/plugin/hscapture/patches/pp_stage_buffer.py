@@ -27,5 +27,6 @@ def needed(worker: Any) -> bool:
 def apply(worker: Any) -> bool:
     r = _runner(worker)
     r.intermediate_tensors = r.model.make_empty_intermediate_tensors(
-        batch_size=r.max_num_tokens, dtype=r.model_config.dtype, device=r.device)
+        batch_size=r.max_num_tokens, dtype=r.model_config.dtype, device=r.device
+    )
     return True

@@ -45,6 +45,7 @@ def mem_get_info_apply(module: ModuleType) -> bool:
         module.mem_get_info = host_mem_get_info  # speculators 0.4: its own helper (accelerator memory)
         changed = True
     if not getattr(torch.cuda.mem_get_info, "__hscapture_shim__", False):
+
         def cuda_mem_get_info(device=None):
             return host_mem_get_info()
 
@@ -87,7 +88,11 @@ def _required_field(cls, name: str) -> bool:
 
 def scheduler_config_needed(module: ModuleType) -> bool:
     cls = getattr(module, "SchedulerConfig", None)
-    return cls is not None and _required_field(cls, "is_encoder_decoder") and "is_encoder_decoder" not in inspect.getsource(module)
+    return (
+        cls is not None
+        and _required_field(cls, "is_encoder_decoder")
+        and "is_encoder_decoder" not in inspect.getsource(module)
+    )
 
 
 def scheduler_config_apply(module: ModuleType) -> bool:
@@ -162,7 +167,11 @@ def scheduler_block_size_needed(module: ModuleType) -> bool:
     if cls is None:
         return False
     p = inspect.signature(cls.__init__).parameters.get("block_size")
-    return p is not None and p.default is inspect.Parameter.empty and "block_size=" not in inspect.getsource(module.VllmHiddenStatesGenerator.__init__)
+    return (
+        p is not None
+        and p.default is inspect.Parameter.empty
+        and "block_size=" not in inspect.getsource(module.VllmHiddenStatesGenerator.__init__)
+    )
 
 
 def scheduler_block_size_apply(module: ModuleType) -> bool:

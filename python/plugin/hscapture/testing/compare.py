@@ -27,7 +27,7 @@ def relative_errors(ours, ref):
 
 def compare(samples: list, refs: list) -> Comparison:
     worst, where, tokens = 0.0, (-1, -1, -1), 0
-    for i, (ours, ref) in enumerate(zip(samples, refs)):
+    for i, (ours, ref) in enumerate(zip(samples, refs, strict=True)):
         err = relative_errors(ours, ref)
         tokens += err.shape[0]
         m = float(err.max())

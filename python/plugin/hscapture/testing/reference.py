@@ -19,8 +19,9 @@ from pathlib import Path
 from .. import _native
 
 
-def compute(model_path: str, prompts: list[list[int]], layer_ids: list[int], convention: str,
-            dtype: str = "float32") -> list:
+def compute(
+    model_path: str, prompts: list[list[int]], layer_ids: list[int], convention: str, dtype: str = "float32"
+) -> list:
     """Per prompt, a float32 tensor [L, n_layers, H] in ascending id order."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -34,14 +35,18 @@ def compute(model_path: str, prompts: list[list[int]], layer_ids: list[int], con
     handles = []
     for slot, (kind, k) in enumerate(points):
         if kind == "embeddings":
+
             def pre(_m, args, kwargs, slot=slot):
                 h = kwargs.get("hidden_states", args[0] if args else None)
                 grabbed[slot] = h.detach().float()
+
             handles.append(layers[0].register_forward_pre_hook(pre, with_kwargs=True))
         else:
+
             def post(_m, _a, out, slot=slot):
                 h = out[0] if isinstance(out, (tuple, list)) else out
                 grabbed[slot] = h.detach().float()
+
             handles.append(layers[k].register_forward_hook(post))
     out = []
     with torch.no_grad():
@@ -65,8 +70,14 @@ def reference_path() -> str | None:
     return str(default) if default.is_dir() else None
 
 
-def compute_subprocess(model_path: str, prompts: list[list[int]], layer_ids: list[int], convention: str,
-                       workdir: str | Path, python: str | None = None) -> list:
+def compute_subprocess(
+    model_path: str,
+    prompts: list[list[int]],
+    layer_ids: list[int],
+    convention: str,
+    workdir: str | Path,
+    python: str | None = None,
+) -> list:
     """``compute`` in a fresh interpreter with ``HSCAPTURE_REFERENCE_PATH`` first on ``sys.path``."""
     from safetensors.torch import load_file
 
@@ -79,7 +90,9 @@ def compute_subprocess(model_path: str, prompts: list[list[int]], layer_ids: lis
     extra = reference_path()
     if extra:
         env["PYTHONPATH"] = extra + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    subprocess.run([python or sys.executable, "-m", "hscapture.testing.reference", str(req), str(res)], check=True, env=env)
+    subprocess.run(
+        [python or sys.executable, "-m", "hscapture.testing.reference", str(req), str(res)], check=True, env=env
+    )
     t = load_file(str(res))
     return [t[f"p{i}"] for i in range(len(prompts))]
 
@@ -102,8 +115,11 @@ def _main() -> None:
 
     r = json.loads(Path(a.request).read_text())
     outs = compute(r["model"], r["prompts"], r["layers"], r["convention"])
-    save_file({f"p{i}": t.contiguous() for i, t in enumerate(outs)}, a.result,
-              metadata={"transformers": transformers.__version__})
+    save_file(
+        {f"p{i}": t.contiguous() for i, t in enumerate(outs)},
+        a.result,
+        metadata={"transformers": transformers.__version__},
+    )
 
 
 if __name__ == "__main__":

@@ -14,17 +14,45 @@ from pathlib import Path
 VOCAB = 1024
 VERSION = 2  # bump when a model's definition changes, so cached builds are replaced
 
-YARN = {"type": "yarn", "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
-        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
+YARN = {
+    "type": "yarn",
+    "rope_type": "yarn",
+    "factor": 40.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+}
 
 
 def _deepseek_common() -> dict:
-    return dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-                n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=512,
-                qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, n_group=1, topk_group=1,
-                routed_scaling_factor=1.0, max_position_embeddings=163840, rope_scaling=dict(YARN),
-                bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        max_position_embeddings=163840,
+        rope_scaling=dict(YARN),
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+    )
 
 
 def _save_tokenizer(path: Path) -> None:
@@ -34,8 +62,9 @@ def _save_tokenizer(path: Path) -> None:
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3, **{f"w{i}": i for i in range(4, VOCAB)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                            pad_token="<pad>").save_pretrained(str(path))
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    ).save_pretrained(str(path))
 
 
 def build(kind: str, path: str | Path, seed: int = 0, tokenizer: bool = True, dtype: str = "bfloat16") -> Path:
@@ -52,9 +81,20 @@ def build(kind: str, path: str | Path, seed: int = 0, tokenizer: bool = True, dt
         return path
     torch.manual_seed(seed)
     if kind == "llama":
-        cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
-                             bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
+        cfg = tf.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            max_position_embeddings=2048,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=3,
+            tie_word_embeddings=False,
+        )
         model = tf.LlamaForCausalLM(cfg)
         extra = {}
     elif kind == "deepseek_v2":
@@ -83,9 +123,9 @@ def build(kind: str, path: str | Path, seed: int = 0, tokenizer: bool = True, dt
 def _randomize_buffers(model) -> None:
     """Gives zero-initialised parameters (MoE correction bias) small random values so that a wrong
     routing would show in the states."""
-    import torch
-
     import itertools
+
+    import torch
 
     for name, p in itertools.chain(model.named_parameters(), model.named_buffers()):
         if name.endswith("e_score_correction_bias"):

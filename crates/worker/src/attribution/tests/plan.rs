@@ -48,13 +48,7 @@ fn whole_prompts_in_one_step_follow_the_runner_order() {
     t.begin_step(step(vec![new("a", 3, 0, Some(0)), new("b", 2, 0, Some(1))], vec![], &[("a", 3), ("b", 2)])).unwrap();
     // The runner put b first.
     let plan = t.plan(&ids(&["b", "a"])).unwrap().clone();
-    assert_eq!(
-        plan.segments,
-        vec![
-            seg("b", SampleKey::Index(1), 2, 0, 0, 0, 2),
-            seg("a", SampleKey::Index(0), 3, 2, 2, 0, 3),
-        ]
-    );
+    assert_eq!(plan.segments, vec![seg("b", SampleKey::Index(1), 2, 0, 0, 0, 2), seg("a", SampleKey::Index(0), 3, 2, 2, 0, 3),]);
     let ev = t.commit().unwrap();
     assert_eq!(completed(&ev), vec![("b".into(), SampleKey::Index(1), 2), ("a".into(), SampleKey::Index(0), 3)]);
 }
@@ -104,8 +98,7 @@ fn recompute_after_completion_is_ignored() {
     t.plan(&ids(&["a"])).unwrap();
     assert_eq!(completed(&t.commit().unwrap()).len(), 1);
     // Preempted during decode and recomputed: prompt + 2 output tokens.
-    t.begin_step(step(vec![], vec![CachedRequest { req_id: "a".into(), num_computed_tokens: 0, resumed: true }], &[("a", 5)]))
-        .unwrap();
+    t.begin_step(step(vec![], vec![CachedRequest { req_id: "a".into(), num_computed_tokens: 0, resumed: true }], &[("a", 5)])).unwrap();
     assert_eq!(t.plan(&ids(&["a"])).unwrap().arena_rows, 0);
     assert!(t.commit().unwrap().is_empty(), "a completed sample must not be emitted twice");
 }

@@ -2,9 +2,9 @@
 //! after them, so the worker never waits forever for a buffer.
 
 use super::*;
-use crate::output::pool::BufferPool;
 use crate::attribution::plan::{SampleKey, Segment};
 use crate::capture::scatter::{Completion, Geometry};
+use crate::output::pool::BufferPool;
 use hscapture_kernels::DType;
 
 fn arena(rows: usize) -> Arena {

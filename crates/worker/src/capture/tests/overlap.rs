@@ -3,8 +3,8 @@
 
 use super::tests::{chunked_run, desc, input, layer_output, req, session, HostDevice};
 use super::*;
-use crate::error::ErrorKind;
 use crate::attribution::plan::CachedRequest;
+use crate::error::ErrorKind;
 
 fn on_device(d: TensorDesc) -> TensorDesc {
     TensorDesc { device: Device::Cuda(0), ..d }

@@ -21,7 +21,15 @@ fn step(n: usize, len: usize) -> (Arena, ScatterJob) {
     for r in 0..n {
         let prompt_len = if r % 2 == 0 { len } else { 2 * len };
         let id = format!("r{r}");
-        job.segments.push(Segment { req_id: id.clone(), sample: SampleKey::Index(r as u64), prompt_len, src_row: r * len, arena_row: r * len, dst_pos: 0, len });
+        job.segments.push(Segment {
+            req_id: id.clone(),
+            sample: SampleKey::Index(r as u64),
+            prompt_len,
+            src_row: r * len,
+            arena_row: r * len,
+            dst_pos: 0,
+            len,
+        });
         if r % 2 == 0 {
             job.completions.push(Completion { req_id: id, sample: SampleKey::Index(r as u64), token_ids: vec![0; len], loss_mask: None });
         }
@@ -39,7 +47,10 @@ fn emitted_samples_equal_returned_ones_and_keep_nothing_else() {
     let (rows, job) = step(8, 256); // 8 × 256 rows × 2 slots × 4 KiB = 16 MiB: the parallel path
     let mut inline = scatter();
     let want = inline.run(job.clone(), &rows, None).unwrap();
-    assert_eq!(want.iter().map(|s| s.key.clone()).collect::<Vec<_>>(), job.completions.iter().map(|c| c.sample.clone()).collect::<Vec<_>>());
+    assert_eq!(
+        want.iter().map(|s| s.key.clone()).collect::<Vec<_>>(),
+        job.completions.iter().map(|c| c.sample.clone()).collect::<Vec<_>>()
+    );
     let got = std::sync::Mutex::new(Vec::new());
     let emit = |s: Sample| {
         got.lock().unwrap().push(s);
@@ -50,7 +61,11 @@ fn emitted_samples_equal_returned_ones_and_keep_nothing_else() {
     let mut got = got.into_inner().unwrap();
     got.sort_by_key(|s| want.iter().position(|w| w.key == s.key));
     assert_eq!(got, want, "the same samples, byte for byte");
-    assert_eq!(threaded.held_counter().load(Ordering::Relaxed), inline.held_counter().load(Ordering::Relaxed), "the incomplete requests stay held");
+    assert_eq!(
+        threaded.held_counter().load(Ordering::Relaxed),
+        inline.held_counter().load(Ordering::Relaxed),
+        "the incomplete requests stay held"
+    );
     assert_eq!(threaded.bufs.len(), 4);
 }
 
@@ -75,7 +90,8 @@ fn a_request_whose_earlier_rows_were_lost_is_refused_before_anything_is_copied()
         a.reset(2);
         a
     };
-    let seg = |dst_pos| Segment { req_id: "a".into(), sample: SampleKey::Index(0), prompt_len: 6, src_row: 0, arena_row: 0, dst_pos, len: 2 };
+    let seg =
+        |dst_pos| Segment { req_id: "a".into(), sample: SampleKey::Index(0), prompt_len: 6, src_row: 0, arena_row: 0, dst_pos, len: 2 };
     let mut s = scatter();
     s.run(ScatterJob { step: 1, segments: vec![seg(0)], ..Default::default() }, &rows, None).unwrap();
     let last = ScatterJob {

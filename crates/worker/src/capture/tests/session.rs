@@ -41,7 +41,13 @@ pub(super) fn run_step(s: &mut Session, input: StepInput, order: &[&str], layers
 }
 
 pub(super) fn req(id: &str, len: usize, sample: u64) -> NewRequest {
-    NewRequest { req_id: id.into(), prompt_token_ids: (0..len as i64).collect(), num_computed_tokens: 0, sample: Some(sample), loss_mask: None }
+    NewRequest {
+        req_id: id.into(),
+        prompt_token_ids: (0..len as i64).collect(),
+        num_computed_tokens: 0,
+        sample: Some(sample),
+        loss_mask: None,
+    }
 }
 
 pub(super) fn input(new: Vec<NewRequest>, cached: Vec<CachedRequest>, sched: &[(&str, usize)]) -> StepInput {
@@ -179,12 +185,11 @@ fn padded_steps_read_only_scheduled_rows() {
     s.begin_step(input(vec![req("a", 3, 0)], vec![], &[("a", 3)])).unwrap();
     s.plan(&["a".to_string()]).unwrap();
     let h = layer_output(0, 8, 0.0); // padded to 8 rows (CUDA-graph padding)
-    // SAFETY: `h` is live for the call.
+                                     // SAFETY: `h` is live for the call.
     unsafe { s.capture(0, &desc(&h, 8), None, 0).unwrap() };
     let out = s.end_step().unwrap().remove(0);
     assert_eq!(out.completed[0].rows, 3);
 }
-
 
 /// A device stand-in in host memory: "device" tensors are host memory tagged cuda, the kernel is the
 /// CPU twin, and the copy to the step's host buffer happens at `end_step` (so data is only visible
@@ -381,17 +386,17 @@ fn large_steps_scatter_in_parallel_to_the_same_result() {
     let reqs: Vec<NewRequest> = (0..4).map(|i| req(&format!("r{i}"), 700, i)).collect();
     let sched: Vec<(String, usize)> = (0..4).map(|i| (format!("r{i}"), 700)).collect();
     let total = 2800;
-    s.begin_step(StepInput {
-        new_requests: reqs,
-        num_scheduled: sched,
-        total_tokens: total,
-        ..Default::default()
-    })
-    .unwrap();
+    s.begin_step(StepInput { new_requests: reqs, num_scheduled: sched, total_tokens: total, ..Default::default() }).unwrap();
     s.plan(&["r2".to_string(), "r0".into(), "r3".into(), "r1".into()]).unwrap();
     for slot in 0..2 {
         let h: Vec<f32> = (0..total * w).map(|i| (slot * 1_000_000 + i / w) as f32).collect();
-        let d = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![total, w], strides: vec![w as i64, 1], dtype: DType::F32, device: Device::Cpu };
+        let d = TensorDesc {
+            ptr: h.as_ptr() as usize,
+            shape: vec![total, w],
+            strides: vec![w as i64, 1],
+            dtype: DType::F32,
+            device: Device::Cpu,
+        };
         // SAFETY: `h` is live for the call.
         unsafe { s.capture(slot, &d, None, 0).unwrap() };
     }

@@ -1,10 +1,10 @@
 //! Pipeline parallelism: two stages each capture the slots of their own layers; the first sends its
 //! rows to the second, which assembles. The result must equal one session capturing everything.
 use super::*;
-use hscapture_kernels::DType;
-use crate::error::ErrorKind;
 use crate::attribution::layers::{Convention, LayerPlan};
 use crate::attribution::plan::NewRequest;
+use crate::error::ErrorKind;
+use hscapture_kernels::DType;
 
 const H: usize = 4;
 
@@ -28,7 +28,13 @@ fn desc(v: &[f32], rows: usize) -> TensorDesc {
 }
 
 fn step_input(step: usize) -> StepInput {
-    let new = vec![NewRequest { req_id: format!("r{step}"), prompt_token_ids: vec![3; 5], num_computed_tokens: 0, sample: Some(step as u64), loss_mask: None }];
+    let new = vec![NewRequest {
+        req_id: format!("r{step}"),
+        prompt_token_ids: vec![3; 5],
+        num_computed_tokens: 0,
+        sample: Some(step as u64),
+        loss_mask: None,
+    }];
     StepInput { new_requests: new, num_scheduled: vec![(format!("r{step}"), 5)], total_tokens: 5, ..Default::default() }
 }
 

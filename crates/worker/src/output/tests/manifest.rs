@@ -1,7 +1,14 @@
 use super::*;
 
 fn rec(i: u64) -> SampleRecord {
-    SampleRecord { index: Some(i), request_id: None, file: format!("hidden_states/hs_{i}.safetensors"), length: 3, checksum: "xxh3:0".into(), bytes: 9 }
+    SampleRecord {
+        index: Some(i),
+        request_id: None,
+        file: format!("hidden_states/hs_{i}.safetensors"),
+        length: 3,
+        checksum: "xxh3:0".into(),
+        bytes: 9,
+    }
 }
 
 #[test]

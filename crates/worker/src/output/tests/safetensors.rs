@@ -75,7 +75,8 @@ fn compressed_files_read_back_exactly_and_are_still_safetensors() {
     let n_plain = write(&plain, &s, "before", None);
     let n_packed = write(&packed, &s, "before", Some(3));
     assert!(n_packed < n_plain, "{n_packed} >= {n_plain}");
-    let (a, b) = (decode_file(&plain, &std::fs::read(&plain).unwrap()).unwrap(), decode_file(&packed, &std::fs::read(&packed).unwrap()).unwrap());
+    let (a, b) =
+        (decode_file(&plain, &std::fs::read(&plain).unwrap()).unwrap(), decode_file(&packed, &std::fs::read(&packed).unwrap()).unwrap());
     assert_eq!((a.data, a.shape, a.dtype, a.token_ids), (b.data, b.shape, b.dtype, b.token_ids));
     assert_eq!(b.metadata.get("convention").map(String::as_str), Some("before"));
     // Any safetensors reader opens it: the states are one U8 tensor beside `token_ids`.

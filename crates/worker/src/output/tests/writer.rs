@@ -112,6 +112,10 @@ fn try_submit_gives_a_sample_back_when_the_queue_is_full_and_loses_nothing() {
     w.drain().unwrap(); // returns only if every count of a given-back sample was taken back
     let mut recs = w.take_records();
     recs.sort_by_key(|r| r.index);
-    assert_eq!(recs.iter().map(|r| r.index).collect::<Vec<_>>(), (0..200).map(Some).collect::<Vec<Option<u64>>>(), "each written once ({given_back} given back)");
+    assert_eq!(
+        recs.iter().map(|r| r.index).collect::<Vec<_>>(),
+        (0..200).map(Some).collect::<Vec<Option<u64>>>(),
+        "each written once ({given_back} given back)"
+    );
     w.finish().unwrap();
 }

@@ -1,11 +1,12 @@
-"""vLLM general plugin (entry point ``vllm.general_plugins``): puts speculators' offline generator on
-hscapture when ``HSCAPTURE_SPECULATORS=1``.
+"""hscapture's vLLM general plugin (entry point ``vllm.general_plugins``), which vLLM loads in every process
+it starts (the driver, the engine, each worker, before it resolves ``worker_extension_cls``):
 
-vLLM loads general plugins in every process it starts, and in each worker before it resolves
-``worker_extension_cls``. There, this replaces
-``speculators.data_generation.custom_worker.HiddenStatesWorkerExtension`` with
-``hscapture.rpc.HiddenStatesRPC``. In the driver it applies the generator module's shims if the
-module is loaded. Idempotent and re-entrant; does nothing unless switched on.
+- in processes started for ``hscapture extract``: they die with their parent (``lifetime.py``);
+- with ``HSCAPTURE_SPECULATORS=1``: speculators 0.3/0.4's offline generator runs on hscapture — its
+  ``speculators.data_generation.custom_worker.HiddenStatesWorkerExtension`` is replaced with
+  ``hscapture.rpc.HiddenStatesRPC``, and in the driver the generator module's shims are applied if it is loaded.
+
+Idempotent and re-entrant.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def shim_generator() -> list[str]:
 
 
 def register() -> None:
+    from .lifetime import die_with_parent
+
+    die_with_parent()
     if not enabled():
         return
     swap_extension()

@@ -1,5 +1,7 @@
 """Configuration from additional_config and HSCAPTURE_* variables."""
 
+import re
+
 import pytest
 
 from hscapture import ConfigError, envs
@@ -19,9 +21,45 @@ def test_nothing_configured_means_no_capture():
 
 
 def test_additional_config_section():
-    c = from_sources({"hscapture": {"layers": [2, 1], "convention": "before", "out": "/x", "dtype": "bf16"}})
-    assert (c.layers, c.convention, c.out, c.dtype) == ((2, 1), "before", "/x", "bfloat16")
+    c = from_sources({"hscapture": {"layers": [1, 2], "convention": "before", "out": "/x", "dtype": "bf16"}})
+    assert (c.layers, c.convention, c.out, c.dtype) == ((1, 2), "before", "/x", "bfloat16")
     assert c.resolve(4) == [1, 2]
+    with pytest.raises(
+        ConfigError, match=r"layers=\[2, 1\] is not valid; expected a non-empty list of integer layer ids in ascending"
+    ):
+        from_sources({"hscapture": {"layers": [2, 1], "convention": "before", "out": "/x"}})
+
+
+@pytest.mark.parametrize(
+    "key,value,expect",
+    [
+        ("layers", [1.5], "a non-empty list of integer layer ids"),
+        ("layers", "1_0", "a non-empty list of integer layer ids"),
+        ("layers", [True], "a non-empty list of integer layer ids"),
+        ("dtype", "int8", "auto, float32, bfloat16 or float16"),
+        ("compress", 1.7, "an integer: 0"),
+        ("compress", True, "an integer: 0"),
+        ("durable", "ture", "true or false"),
+        ("durable", 2, "true or false"),
+        ("writer_threads", "1_0", "a positive integer"),
+        ("out", None, "the output directory, a non-empty path"),
+        ("out", "", "the output directory, a non-empty path"),
+        ("out", 7, "the output directory, a non-empty path"),
+        ("convention", 1, '"after" or "before"'),
+    ],
+)
+def test_every_value_is_checked_for_its_type(key, value, expect):
+    """No truthiness of strings, no float truncation, no None written as a directory named None."""
+    section = {"layers": [1], "convention": "after", "out": "/x", key: value}
+    with pytest.raises(ConfigError, match=rf"{key}=.* is not valid; expected {re.escape(expect)}"):
+        from_sources({"hscapture": section})
+
+
+def test_text_values_read_as_their_kind():
+    c = from_sources(
+        {"hscapture": {"layers": "1, 3", "convention": "AFTER", "out": "/x", "durable": "Off", "compress": "3"}}
+    )
+    assert (c.layers, c.convention, c.durable, c.compress) == ((1, 3), "after", False, 3)
 
 
 def test_environment(monkeypatch):

@@ -1,6 +1,7 @@
 """Prompt files and model checks, before vLLM starts."""
 
 import json
+import os
 
 import pytest
 
@@ -195,3 +196,77 @@ def test_an_unwritable_output_is_refused_before_vllm_starts(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(OutputError, match="cannot write to .*choose a directory you can write"):
         prepare_out(blocker / "out", overwrite=False)
+
+
+def test_damaged_lines_are_typed_errors_with_file_and_line(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_bytes(b'{"token_ids": [1, 2]}\n{"token_ids": [3], "x": "\xff"}\n')
+    with pytest.raises(ConfigError, match=r"p.jsonl:2: not UTF-8 text \(byte 0xff"):
+        read_prompts(p)
+    with pytest.raises(ConfigError, match=r"p.jsonl:1: token id 9223372036854775808 does not fit a signed 64-bit"):
+        read_prompts(write(tmp_path, [json.dumps({"token_ids": [1, 2**63]})]))
+    with pytest.raises(ConfigError, match=r'p.jsonl:1: the line has both "token_ids" and "text"'):
+        read_prompts(write(tmp_path, [json.dumps({"token_ids": [1], "text": "w1"})]))
+    with pytest.raises(ConfigError, match=r'p.jsonl:1: the tokenizer cannot encode this "text"'):
+        read_prompts(write(tmp_path, ['{"text": "w5 \\ud800"}']), model_dir(tmp_path, tokenizer=True))
+
+
+def test_a_prompt_is_named_by_its_index_and_its_line(tmp_path):
+    ps = read_jsonl(
+        write(tmp_path, [json.dumps({"token_ids": [1]}), "", json.dumps({"token_ids": [1, 2, 3, 4]})]), None
+    )
+    with pytest.raises(ConfigError, match=r"prompt 1 \(line 3 of .*p.jsonl\) has 4 tokens; --max-model-len 4 accepts"):
+        check_prompts(ps, {"vocab_size": 10}, max_model_len=4)
+    check_prompts(ps, {"vocab_size": 10}, max_model_len=5)
+
+
+def test_model_configs_are_read_with_their_own_names(tmp_path):
+    from hscapture.cli.inputs import model_field, read_model_config
+
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"config.json is not valid JSON"):
+        read_model_config(tmp_path)
+    gpt2 = {"n_layer": 12, "n_embd": 768, "n_positions": 1024, "vocab_size": 50257}
+    assert [model_field(gpt2, k) for k in ("num_hidden_layers", "hidden_size", "max_position_embeddings")] == [
+        12,
+        768,
+        1024,
+    ]
+    with pytest.raises(ConfigError, match=r"has no num_hidden_layers \(looked for num_hidden_layers, n_layer"):
+        model_field({"hidden_size": 8}, "num_hidden_layers")
+    vl = {"vision_config": {"num_hidden_layers": 32}, "text_config": {"num_hidden_layers": 28, "hidden_size": 64}}
+    assert model_field(vl, "num_hidden_layers") == 28, "a multimodal config's text model"
+
+
+def test_output_paths_that_cannot_be_directories_are_typed_errors(tmp_path):
+    from hscapture.outlock import OutputLock
+
+    f = tmp_path / "file"
+    f.write_text("x")
+    for bad in (f, f / "out"):
+        with pytest.raises(OutputError, match="choose a directory you can write"):
+            OutputLock(bad).acquire()
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("running as a user who may write anywhere (root): a read-only directory cannot be made")
+        with pytest.raises(OutputError, match="choose a directory you can write"):
+            OutputLock(ro / "out").acquire()
+    finally:
+        ro.chmod(0o700)
+
+
+def test_a_refused_run_leaves_no_lock_behind(tmp_path):
+    from hscapture.outlock import OutputLock
+
+    out = tmp_path / "new"
+    with OutputLock(out):
+        pass
+    assert not out.exists(), "a run that wrote nothing leaves neither its lock nor the directory it made"
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "mine.txt").write_text("x")
+    with OutputLock(tmp_path / "kept"):
+        pass
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [".hscapture.lock", "mine.txt"]

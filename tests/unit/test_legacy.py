@@ -237,3 +237,27 @@ def test_speculators_04_trainer_reads_it(tmp_path):
     hs, last, ids, mask = got["shapes"]["data_0.pt"]
     assert hs == [3, (N - 1) * H] and last == [3, H], "aux layers concatenated, the last layer as the verifier's"
     assert ids == PROMPTS[0][1:] and mask == [1, 1, 1], "its shift_batch drops the first token"
+
+
+def test_a_resume_with_the_input_cut_short_is_refused(tmp_path):
+    from hscapture import ConfigError
+    from hscapture.cli import extract
+    from hscapture.cli.inputs import PromptSet
+
+    capture(tmp_path)
+    identity = {
+        "format": "legacy",
+        "model": "m",
+        "layer_ids": LAYERS,
+        "convention": "before",
+        "dtype": "bfloat16",
+        "hidden_size": H,
+        "num_hidden_layers": 4,
+    }
+    done, found = extract._resume(tmp_path, PromptSet.from_lists(PROMPTS), {0, 1, 2}, identity)
+    assert sorted(done) == [0, 1, 2] and found["layer_ids"] == LAYERS
+    with pytest.raises(ConfigError, match=r"finished samples \[2\] beyond this input's 2 rows"):
+        extract._resume(tmp_path, PromptSet.from_lists(PROMPTS[:2]), {0, 1}, identity)
+    changed = [PROMPTS[0], [1, 2], PROMPTS[2]]
+    with pytest.raises(Exception, match=r"holds tokens that are not prompt 1"):
+        extract._resume(tmp_path, PromptSet.from_lists(changed), {0, 1, 2}, identity)

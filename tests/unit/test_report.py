@@ -59,3 +59,31 @@ def test_report_names_checks_shard_format_and_place():
 
 def test_request_ids_map_back_to_rows():
     assert index_of("hs-12") == 12 and index_of("hs-12-9f3a2b1c") == 12 and index_of("other") is None
+
+
+def test_report_says_when_files_are_compressed_and_samples_were_skipped():
+    base = dict(
+        out="/o",
+        samples=6,
+        tokens=60,
+        bytes=600,
+        seconds=1.0,
+        layer_ids=[1],
+        convention="after",
+        dtype="float32",
+        shims=[],
+    )
+    plain = "\n".join(ExtractReport(**base).lines())
+    assert "skipped" not in plain and "compressed" not in plain
+    text = "\n".join(ExtractReport(**base, skipped=2, compressed=True).lines())
+    assert "2 skipped for NaN/Inf values (listed in the manifest, retried by --resume)" in text
+    assert "hidden_states.zst" in text and "safetensors.load_file alone sees only the compressed bytes" in text
+
+
+def test_verify_tolerance_follows_the_dtypes_compared():
+    from hscapture.cli.verify import tolerance
+
+    assert tolerance({"dtype": "float32"}) == 1e-3
+    assert tolerance({"dtype": "float32", "model_dtype": "bfloat16"}) == 3e-2, "a float32 checkpoint run in bf16"
+    assert tolerance({"dtype": "bfloat16", "model_dtype": "float32"}) == 3e-2
+    assert tolerance({"dtype": "float16", "model_dtype": "float16"}) == 1e-2

@@ -211,3 +211,35 @@ def test_trust_remote_code_reaches_the_tokenizer(monkeypatch, tmp_path):
     assert load_tokenizer(tmp_path, None, True)("hi") == [1, 2]
     assert load_tokenizer(tmp_path, None)("hi") == [1, 2]
     assert calls == [{"trust_remote_code": True}, {"trust_remote_code": False}]
+
+
+@pytest.mark.parametrize(
+    "item,match",
+    [
+        ("max_num_seqs=abc", r"max_num_seqs=abc: vLLM reads --max-num-seqs as int and refuses this value"),
+        ("gpu_memory_utilization=high", r"--gpu-memory-utilization as float"),
+        ("enable_expert_parallel=3", r"--enable-expert-parallel is a switch; expected true or false"),
+        ("kv_cache_dtype=int3", r"--kv-cache-dtype takes one of \[.*'fp8'"),
+    ],
+)
+def test_values_are_read_by_vllm_s_own_parser(item, match):
+    """Not only the key: the value too, as vLLM's command line would read it (before vLLM starts)."""
+    with pytest.raises(ConfigError, match=match):
+        vllm_args.parse([item])
+
+
+def test_good_values_pass_vllm_s_parser():
+    got = vllm_args.parse(
+        [
+            "max_num_seqs=64",
+            "enable_expert_parallel=true",
+            "kv_cache_dtype=fp8",
+            'hf_overrides={"rope_theta": 1000}',
+            "gpu_memory_utilization=0.9",
+        ]
+    )
+    assert (
+        got["max_num_seqs"] == 64
+        and got["enable_expert_parallel"] is True
+        and got["hf_overrides"] == {"rope_theta": 1000}
+    )

@@ -51,6 +51,7 @@ class WorkerCapture:
         self.link = link  # pipeline.StageLink, under pipeline parallelism
         self.layer_ids = list(session.layer_ids)
         self.num_hidden_layers, self.hidden_size, self.out_dtype = num_hidden_layers, hidden_size, out_dtype
+        self.model_dtype = out_dtype
         self.rpc = RpcState(self)  # speculators' RPC surface: the driver's view of each step
         self.device_path = "none"
         self.overlap = False
@@ -248,6 +249,7 @@ class WorkerCapture:
             "layer_ids": list(self.layer_ids),
             "convention": self.cfg.convention,
             "dtype": self.out_dtype,
+            "model_dtype": self.model_dtype,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_hidden_layers,
             "tp_size": self.tp.size,

@@ -6,6 +6,7 @@ are validated against the model at start-up (``resolve``), never later.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,69 +85,106 @@ class CaptureConfig:
         return {"hscapture": d}
 
 
+_INT = re.compile(r"^\s*[+-]?\d+\s*$")  # what a number written as text may look like (not 1_0, not 1.5)
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def integer(value: Any) -> int:
+    """An int given as an int or as decimal text; anything else (a bool, a float, ``1_0``) is refused."""
+    if isinstance(value, bool):
+        raise ValueError(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and _INT.match(value):
+        return int(value)
+    raise ValueError(value)
+
+
+def boolean(value: Any) -> bool:
+    """A bool given as a bool or as one of true/false, yes/no, on/off, 1/0 (any case); anything else is refused."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(value)
+
+
+def layer_ids(value: Any) -> tuple[int, ...]:
+    """Layer ids as a list of ints or comma-separated text, in ascending order (slot k holds the k-th)."""
+    if isinstance(value, str):
+        value = [x for x in value.replace(" ", "").split(",") if x]
+    if isinstance(value, bool) or not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(value)
+    ids = tuple(integer(x) for x in value)
+    if list(ids) != sorted(ids):
+        raise ValueError(f"ascending: {list(ids)}")
+    return ids
+
+
 def _coerce(key: str, value: Any, where: str):
     try:
         if key == "layers":
-            if isinstance(value, str):
-                value = [int(x) for x in value.replace(" ", "").split(",") if x]
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (list, tuple))
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in value)
-            ):
-                raise ValueError
-            return tuple(value)
+            return layer_ids(value)
         if key == "compress":
-            v = int(value)
+            v = integer(value)
             if not 0 <= v <= 22:
                 raise ValueError
             return v
         if key == "writer_threads" and isinstance(value, str) and value.strip().lower() == "auto":
             return default_writer_threads()
         if key in ("writer_threads", "writer_queue"):
-            v = int(value)
+            v = integer(value)
             if v < 1:
                 raise ValueError
             return v
         if key == "durable":
-            if isinstance(value, str):
-                return value.strip().lower() in ("1", "true", "yes", "on")
-            return bool(value)
+            return boolean(value)
+        if not isinstance(value, str):
+            raise TypeError(value)  # every other setting is text
+        if key == "out":
+            if not value.strip():
+                raise ValueError
+            return value
         if key == "on_nonfinite":
-            v = str(value).strip().lower()
+            v = value.strip().lower()
             if v not in ("error", "skip"):
                 raise ValueError
             return v
         if key == "format":
-            v = str(value).strip().lower()
+            v = value.strip().lower()
             v = {"file": "hscapture"}.get(v, v)
             if v not in FORMATS:
                 raise ValueError
             return v
         if key == "convention":
-            v = str(value).strip().lower()
+            v = value.strip().lower()
             if v not in ("after", "before"):
                 raise ValueError
             return v
         if key == "dtype":
-            v = str(value).strip().lower().removeprefix("torch.")
+            v = value.strip().lower().removeprefix("torch.")
             v = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "float": "float32", "half": "float16"}.get(
                 v, v
             )
             if v not in _DTYPES:
                 raise ValueError
             return v
-        return str(value)
+        return value
     except (TypeError, ValueError):
         expect = {
-            "layers": "a list of integer layer ids such as [2, 4, 5]",
+            "layers": "a non-empty list of integer layer ids in ascending order, such as [2, 4, 5]",
+            "out": "the output directory, a non-empty path (leave the key out only with speculators' RPC surface)",
+            "durable": "true or false (also yes/no, on/off, 1/0)",
+            "model_name": "the model's name, as text",
             "convention": '"after" or "before"',
             "format": "hscapture (safetensors files, speculators' current training; also called file) or legacy "
             "(data_{i}.pt, speculators 0.3/0.4)",
             "dtype": "auto, float32, bfloat16 or float16",
             "writer_threads": 'a positive integer or "auto" (one per CPU core, 4 to 16)',
             "writer_queue": "a positive integer",
-            "compress": "0 (store states as they are) or a zstd level 1..22 (byte-plane split + zstd; 3 is a good default)",
+            "compress": "an integer: 0 (store states as they are) or a zstd level 1..22 (byte-plane split + zstd; 3 is a good default)",
             "on_nonfinite": '"error" (default: a NonFiniteError naming sample, layer and count) or "skip" (the sample is '
             "not written and is listed in the manifest)",
         }.get(key, "a string")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -200,6 +201,8 @@ def get(name: str):
         return None
     try:
         if var.kind == "int":
+            if not re.fullmatch(r"\s*[+-]?\d+\s*", v):  # int() would take 1_0 as 10
+                raise ValueError(v)
             return int(v)
         if var.kind == "bool":
             s = v.strip().lower()
@@ -211,7 +214,10 @@ def get(name: str):
         if var.kind == "names":
             return [x for x in v.replace(" ", "").split(",") if x]
         if var.kind == "ids":
-            return [int(x) for x in v.replace(" ", "").split(",") if x != ""]
+            ids = [x for x in v.replace(" ", "").split(",") if x != ""]
+            if not all(re.fullmatch(r"[+-]?\d+", x) for x in ids):
+                raise ValueError(v)
+            return [int(x) for x in ids]
         return v
     except ValueError:
         expect = {"int": "an integer", "bool": "1 or 0", "ids": "comma-separated integers such as `2,4,5`"}[var.kind]

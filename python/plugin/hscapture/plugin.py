@@ -2,6 +2,7 @@
 it starts (the driver, the engine, each worker, before it resolves ``worker_extension_cls``):
 
 - in processes started for ``hscapture extract``: they die with their parent (``lifetime.py``);
+- where vLLM builds its configuration: hscapture's settings are checked there (``early_check.py``);
 - with ``HSCAPTURE_SPECULATORS=1``: speculators 0.3/0.4's offline generator runs on hscapture — its
   ``speculators.data_generation.custom_worker.HiddenStatesWorkerExtension`` is replaced with
   ``hscapture.rpc.HiddenStatesRPC``, and in the driver the generator module's shims are applied if it is loaded.
@@ -52,9 +53,11 @@ def shim_generator() -> list[str]:
 
 
 def register() -> None:
+    from . import early_check
     from .lifetime import die_with_parent
 
     die_with_parent()
+    early_check.install()
     if not enabled():
         return
     swap_extension()

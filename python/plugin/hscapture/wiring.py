@@ -65,6 +65,11 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         compress=cfg.compress or None,
         model=cfg.model_name or model,
     )
+    if writer and cfg.out is None:
+        log.warning(
+            "hscapture: no output directory (`out`) is set: captured samples are kept in memory for the RPC "
+            "surface (`_get_captured_states`) and nothing is written to disk"
+        )
     session.set_skip_nonfinite(cfg.on_nonfinite == "skip")
     ring = assembly_ring()
     if writer and ring:
@@ -74,6 +79,7 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
     cap = cls(
         cfg, session, sync, order, writer=writer, num_hidden_layers=n_layers, hidden_size=hidden, out_dtype=out_dtype
     )
+    cap.model_dtype = model_dtype
     name, layers = hooks.find_decoder_layers(worker.get_model(), n_layers)
     points = cap.capture_points()
     local = [slot for slot, (_kind, k) in enumerate(points) if not hooks.is_missing(layers[k])]

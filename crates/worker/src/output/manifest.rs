@@ -34,6 +34,9 @@ pub struct Manifest {
     pub convention: String,
     /// torch name of the stored dtype.
     pub dtype: String,
+    /// torch name of the dtype vLLM ran the model in (what `verify --model`'s tolerance follows).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_dtype: Option<String>,
     pub hidden_size: usize,
     pub num_hidden_layers: usize,
     #[serde(default)]

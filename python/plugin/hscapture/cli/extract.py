@@ -24,7 +24,7 @@ from ..patches import apply_driver_shims
 from ..vllm_compat import LOSS_MASK_KEY, SAMPLE_KEY
 from . import outdir
 from .engine import drive
-from .inputs import as_prompt_set, check_prompts, has_tokenizer, read_model_config, text_config
+from .inputs import as_prompt_set, check_prompts, has_tokenizer, model_field, read_model_config
 from .report import ExtractReport, Progress
 from .shard import Shard, ShardInfo, check_resume
 
@@ -124,7 +124,6 @@ def check_executor(executor: str | None) -> None:
 
 def identity(opts: ExtractOptions, ids: list[int], cfg: dict) -> dict:
     """The run's identity as far as the driver knows it (the stored dtype may be vLLM's choice: `auto`)."""
-    text = text_config(cfg)
     dtype = opts.store_dtype if opts.store_dtype != "auto" else opts.dtype
     return {
         "format": formats.get(opts.format).name,
@@ -132,8 +131,8 @@ def identity(opts: ExtractOptions, ids: list[int], cfg: dict) -> dict:
         "layer_ids": ids,
         "convention": opts.convention,
         "dtype": dtype,
-        "hidden_size": int(text["hidden_size"]),
-        "num_hidden_layers": int(text["num_hidden_layers"]),
+        "hidden_size": model_field(cfg, "hidden_size"),
+        "num_hidden_layers": model_field(cfg, "num_hidden_layers"),
     }
 
 
@@ -141,7 +140,7 @@ def _run_extract(opts: ExtractOptions) -> ExtractReport:
     prompts = as_prompt_set(opts.prompts)
     fmt = formats.get(opts.format)
     model_cfg = read_model_config(opts.model)
-    n_layers = int(text_config(model_cfg)["num_hidden_layers"])
+    n_layers = model_field(model_cfg, "num_hidden_layers")
     layers = opts.layers if opts.layers is not None else _native.default_layers(opts.convention, n_layers)
     ids = list(_native.validate_layers(list(layers), opts.convention, n_layers))
     if fmt.final_layer_reader:
@@ -151,7 +150,7 @@ def _run_extract(opts: ExtractOptions) -> ExtractReport:
     check_executor(opts.executor)
     shard = Shard.parse(opts.shard) if opts.shard else None
     rows = shard.rows(len(prompts)) if shard else list(range(len(prompts)))
-    check_prompts(prompts, model_cfg, rows)
+    check_prompts(prompts, model_cfg, rows, opts.max_model_len)
     out = Path(opts.out).resolve()
     aside = outdir.prepare(out, opts.overwrite, opts.resume, fmt)
     try:
@@ -233,6 +232,10 @@ def _capture(opts, prompts, fmt, out, aside, ids, rows, todo, done, checks, shar
     from vllm import LLM
 
     longest = max(prompts.length(i) for i in todo)
+    max_pos = model_field(model_cfg, "max_position_embeddings", required=False)
+    auto_len = max(longest + 1, 32)  # a prompt and its one generated token; check_prompts kept it under max_pos
+    if max_pos is not None:
+        auto_len = min(auto_len, max_pos)
     kwargs = dict(
         model=str(opts.model),
         tensor_parallel_size=opts.tp,
@@ -241,7 +244,7 @@ def _capture(opts, prompts, fmt, out, aside, ids, rows, todo, done, checks, shar
         enforce_eager=not opts.compile,
         enable_prefix_caching=False,
         skip_tokenizer_init=not has_tokenizer(opts.model),
-        max_model_len=opts.max_model_len or max(longest + 1, 32),
+        max_model_len=opts.max_model_len or auto_len,
         worker_cls="hscapture.worker.CaptureWorker",
         additional_config=cfg.to_additional_config(),
         seed=0,
@@ -268,7 +271,7 @@ def _capture(opts, prompts, fmt, out, aside, ids, rows, todo, done, checks, shar
         progress = Progress(
             len(todo),
             total_tokens,
-            _bytes_per_token(model_cfg, opts, len(ids)),
+            _bytes_per_token(llm, model_cfg, opts, len(ids)),
             interactive=opts.progress,
             every=opts.log_every or 30.0,
             label=f"shard {shard}" if shard else "capture",
@@ -319,12 +322,13 @@ def _shutdown(llm) -> None:
         core.shutdown()
 
 
-def _bytes_per_token(cfg: dict, opts: ExtractOptions, n: int) -> int:
+def _bytes_per_token(llm, cfg: dict, opts: ExtractOptions, n: int) -> int:
+    """What one token's states take: the stored dtype is the store dtype, else the dtype vLLM runs the model in."""
     sizes = dict(_native.dtypes())
-    dt = opts.store_dtype if opts.store_dtype != "auto" else opts.dtype
+    dt = opts.store_dtype
     if dt == "auto":
-        dt = str(text_config(cfg).get("torch_dtype") or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    return n * int(text_config(cfg)["hidden_size"]) * sizes.get(dt, 2)
+        dt = str(getattr(getattr(llm.llm_engine, "model_config", None), "dtype", "bfloat16")).removeprefix("torch.")
+    return n * model_field(cfg, "hidden_size") * sizes.get(dt, 2)
 
 
 def _finish(
@@ -360,6 +364,7 @@ def _finish(
         "layer_ids": meta["layer_ids"],
         "convention": meta["convention"],
         "dtype": meta["dtype"],
+        **({"model_dtype": meta["model_dtype"]} if meta.get("model_dtype") else {}),
         "hidden_size": meta["hidden_size"],
         "num_hidden_layers": meta["num_hidden_layers"],
         "tensor_parallel_size": meta.get("tp_size", opts.tp),

@@ -23,8 +23,16 @@ class PromptSet:
 
     kind = "list"
 
-    def __init__(self, flat: array, offsets: array, masks: dict[int, list[int]] | None = None, source: str = "prompts"):
+    def __init__(
+        self,
+        flat: array,
+        offsets: array,
+        masks: dict[int, list[int]] | None = None,
+        source: str = "prompts",
+        lines: array | None = None,
+    ):
         self._flat, self._off, self._masks, self.source = flat, offsets, masks or {}, source
+        self._lines = lines  # the input line of each row (JSONL), for messages
 
     @classmethod
     def from_lists(cls, prompts: Sequence[Sequence[int]], source: str = "prompts") -> PromptSet:
@@ -42,6 +50,12 @@ class PromptSet:
 
     def length(self, i: int) -> int:
         return self._off[i + 1] - self._off[i]
+
+    def where(self, i: int) -> str:
+        """How row ``i`` is named in messages: ``prompt 3 (line 5 of in.jsonl)``."""
+        if self._lines is not None and i < len(self._lines):
+            return f"prompt {i} (line {self._lines[i]} of {self.source})"
+        return f"prompt {i}"
 
     def loss_mask(self, i: int) -> list[int] | None:
         """The row's loss mask, or None when the input has none (legacy output then trains on every token)."""
@@ -111,18 +125,30 @@ def read_jsonl(path: str | Path, get_tokenizer) -> PromptSet:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"input file {path} does not exist; {JSONL_HINT}")
-    flat, off, masks, tok = array("q"), array("q", [0]), {}, None
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
+    flat, off, masks, lines, tok = array("q"), array("q", [0]), {}, array("q"), None
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            where = f"{path}:{n}"  # file:line; messages about a prompt name it with its line (PromptSet.where)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(
+                    f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); {JSONL_HINT}"
+                ) from None
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{n}: not valid JSON ({e.msg}); {JSONL_HINT}") from None
+                raise ConfigError(f"{where}: not valid JSON ({e.msg}); {JSONL_HINT}") from None
             if not isinstance(obj, dict):
                 raise ConfigError(
-                    f'{path}:{n}: expected an object with "token_ids" (a list of non-negative integers) or "text"'
+                    f'{where}: expected an object with "token_ids" (a list of non-negative integers) or "text"'
+                )
+            if "token_ids" in obj and "text" in obj:
+                raise ConfigError(
+                    f'{where}: the line has both "token_ids" and "text"; expected one of them (which one '
+                    "is the prompt would be a guess)"
                 )
             ids = obj.get("token_ids")
             if ids is None and isinstance(obj.get("text"), str):
@@ -130,29 +156,42 @@ def read_jsonl(path: str | Path, get_tokenizer) -> PromptSet:
                     try:
                         tok = get_tokenizer()
                     except ConfigError as e:
-                        raise ConfigError(f"{path}:{n}: {e}") from None
-                ids = tok(obj["text"])
+                        raise ConfigError(f"{where}: {e}") from None
+                try:
+                    ids = tok(obj["text"])
+                except Exception as e:  # noqa: BLE001 - tokenizers raise many kinds (a lone surrogate: UnicodeEncodeError)
+                    raise ConfigError(
+                        f'{where}: the tokenizer cannot encode this "text" ({type(e).__name__}: {e}); '
+                        "fix the text (a lone surrogate such as \\ud800?) or give token_ids"
+                    ) from None
             if not isinstance(ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
             ):
                 raise ConfigError(
-                    f'{path}:{n}: expected an object with "token_ids": a list of non-negative integers (or "text")'
+                    f'{where}: expected an object with "token_ids": a list of non-negative integers (or "text")'
                 )
             if not ids:
-                raise ConfigError(f"{path}:{n}: the prompt is empty; every prompt needs at least one token")
+                raise ConfigError(f"{where}: the prompt is empty; every prompt needs at least one token")
             if "loss_mask" in obj:
                 m = obj["loss_mask"]
                 if not isinstance(m, list) or len(m) != len(ids) or any(x not in (0, 1) for x in m):
                     raise ConfigError(
-                        f'{path}:{n}: "loss_mask" must be a list of 0/1 as long as the prompt '
-                        f"({len(ids)} tokens); found {str(m)[:60]}"
+                        f'{where}: "loss_mask" must be a list of 0/1 as long as the prompt ({len(ids)} tokens); found '
+                        f"{str(m)[:60]}"
                     )
                 masks[len(off) - 1] = m
-            flat.extend(ids)
+            try:
+                flat.extend(ids)
+            except OverflowError:
+                raise ConfigError(
+                    f"{where}: token id {max(ids)} does not fit a signed 64-bit integer; no vocabulary "
+                    "is that large: the line is damaged"
+                ) from None
             off.append(len(flat))
+            lines.append(n)
     if len(off) == 1:
         raise ConfigError(f"input file {path} holds no prompts")
-    return PromptSet(flat, off, masks, source=str(path))
+    return PromptSet(flat, off, masks, source=str(path), lines=lines)
 
 
 def load_tokenizer(model: str | Path | None, tokenizer: str | None, trust_remote_code: bool = False):
@@ -184,11 +223,45 @@ def read_model_config(model: str | Path) -> dict:
     p = Path(model) / "config.json"
     if not p.is_file():
         raise ConfigError(f"{p} not found: --model must be a local model directory with a config.json")
-    return json.loads(p.read_text())
+    try:
+        cfg = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(
+            f"{p} is not valid JSON ({e}); expected the model's config.json as transformers saves it"
+        ) from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{p} holds {type(cfg).__name__}; expected a JSON object (the model's config)")
+    return cfg
 
 
 def text_config(cfg: dict) -> dict:
-    return cfg.get("text_config") or cfg
+    """The language model's part of a config (multimodal configs keep it under ``text_config``)."""
+    text = cfg.get("text_config")
+    return text if isinstance(text, dict) else cfg
+
+
+# The names transformers' configs use for the fields the driver checks (GPT-2 writes n_layer, n_embd, ...).
+_ALIASES = {
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"),
+    "vocab_size": ("vocab_size",),
+}
+
+
+def model_field(cfg: dict, name: str, required: bool = True) -> int | None:
+    """A field of the model's (text) config by any of its names; a required one missing is a ``ConfigError``."""
+    text = text_config(cfg)
+    for key in _ALIASES[name]:
+        v = text.get(key)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    if required:
+        raise ConfigError(
+            f"the model's config.json has no {name} (looked for {', '.join(_ALIASES[name])}, also under text_config); "
+            "expected a transformers config of a decoder model"
+        )
+    return None
 
 
 def has_tokenizer(model: str | Path) -> bool:
@@ -196,20 +269,24 @@ def has_tokenizer(model: str | Path) -> bool:
     return any((d / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
 
 
-def check_prompts(prompts, cfg: dict, rows: Sequence[int] | None = None) -> None:
-    """Token ids inside the vocabulary and prompts shorter than ``max_position_embeddings`` (the rows this run
-    captures, all by default)."""
+def check_prompts(prompts, cfg: dict, rows: Sequence[int] | None = None, max_model_len: int | None = None) -> None:
+    """Token ids inside the vocabulary, prompts shorter than ``max_position_embeddings`` and than
+    ``max_model_len`` (a prompt and its one generated token must fit), for the rows this run captures."""
     ps = as_prompt_set(prompts)
-    text = text_config(cfg)
-    vocab = text.get("vocab_size")
-    max_pos = text.get("max_position_embeddings")
+    where = getattr(ps, "where", lambda i: f"prompt {i}")
+    vocab = model_field(cfg, "vocab_size", required=False)
+    max_pos = model_field(cfg, "max_position_embeddings", required=False)
     if vocab is not None and ps.max_token() >= vocab:
         i = next(i for i in range(len(ps)) if max(ps[i]) >= vocab)
-        raise ConfigError(f"prompt {i}: token id {max(ps[i])} is outside the model's vocabulary (vocab_size={vocab})")
-    if max_pos is not None:
-        for i in rows if rows is not None else range(len(ps)):
-            if ps.length(i) >= max_pos:
-                raise ConfigError(
-                    f"prompt {i} has {ps.length(i)} tokens; the model accepts fewer than {max_pos} "
-                    "(max_position_embeddings): shorten or drop it"
-                )
+        raise ConfigError(f"{where(i)}: token id {max(ps[i])} is outside the model's vocabulary (vocab_size={vocab})")
+    for i in rows if rows is not None else range(len(ps)):
+        if max_pos is not None and ps.length(i) >= max_pos:
+            raise ConfigError(
+                f"{where(i)} has {ps.length(i)} tokens; the model accepts fewer than {max_pos} (max_position_embeddings): "
+                "shorten or drop it"
+            )
+        if max_model_len is not None and ps.length(i) >= max_model_len:
+            raise ConfigError(
+                f"{where(i)} has {ps.length(i)} tokens; --max-model-len {max_model_len} accepts prompts of at most "
+                f"{max_model_len - 1} (the prompt and the one token generated): raise --max-model-len or shorten it"
+            )

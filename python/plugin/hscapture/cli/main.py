@@ -11,10 +11,23 @@ from ..formats import FORMATS
 
 
 def _ids(s: str) -> list[int]:
+    from ..config import layer_ids
+
     try:
-        return [int(x) for x in s.replace(" ", "").split(",") if x]
+        return list(layer_ids(s))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 2,4,5, found {s!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers in ascending order such as 2,4,5 (slot k holds the k-th), found {s!r}"
+        ) from None
+
+
+def _int(s: str) -> int:
+    from ..config import integer
+
+    try:
+        return integer(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer such as 4, found {s!r}") from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -66,11 +79,11 @@ def parser() -> argparse.ArgumentParser:
         choices=["after", "before"],
         help="after: id i = output of decoder layer i; before: id i = input of layer i (0 = embeddings, N = final)",
     )
-    ex.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    ex.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (every stage's layers are captured)")
+    ex.add_argument("--tp", type=_int, default=1, help="tensor-parallel size")
+    ex.add_argument("--pp", type=_int, default=1, help="pipeline-parallel size (every stage's layers are captured)")
     ex.add_argument(
         "--compress",
-        type=int,
+        type=_int,
         default=0,
         metavar="LEVEL",
         help="store states losslessly compressed: byte-plane split + zstd at LEVEL (1..22; 1 is fastest and "
@@ -93,9 +106,9 @@ def parser() -> argparse.ArgumentParser:
         help="dtype of the stored states (auto: the model's); the residual sum is rounded once into it",
     )
     ex.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="tokens per step (smaller forces chunked prefill)"
+        "--max-num-batched-tokens", type=_int, default=None, help="tokens per step (smaller forces chunked prefill)"
     )
-    ex.add_argument("--max-model-len", type=int, default=None)
+    ex.add_argument("--max-model-len", type=_int, default=None)
     ex.add_argument("--overwrite", action="store_true", help="replace an existing capture in --out")
     ex.add_argument(
         "--resume",
@@ -103,7 +116,7 @@ def parser() -> argparse.ArgumentParser:
         help="continue an earlier run in --out: its finished samples are kept, the rest captured",
     )
     ex.add_argument(
-        "--writer-threads", type=int, default=None, help="threads writing files (default: one per CPU core, 4 to 16)"
+        "--writer-threads", type=_int, default=None, help="threads writing files (default: one per CPU core, 4 to 16)"
     )
     ex.add_argument("--no-fsync", action="store_true", help="do not fsync files before declaring them done")
     ex.add_argument(
@@ -132,8 +145,8 @@ def parser() -> argparse.ArgumentParser:
 
     de = sub.add_parser("demo", help="run the whole path on a tiny DeepSeek-V3-shaped model and check it against HF")
     de.add_argument("--out", default="hscapture-demo", help="output directory (replaced)")
-    de.add_argument("--tp", type=int, default=2)
-    de.add_argument("--max-num-batched-tokens", type=int, default=64)
+    de.add_argument("--tp", type=_int, default=2)
+    de.add_argument("--max-num-batched-tokens", type=_int, default=64)
 
     rs = sub.add_parser("run-speculators", help="run a speculators data-generation script unchanged, on hscapture")
     rs.add_argument(
@@ -152,7 +165,14 @@ def parser() -> argparse.ArgumentParser:
     ve = sub.add_parser("verify", help="check a capture directory against its manifest and the contract")
     ve.add_argument("dir")
     ve.add_argument("--model", default=None, help="also recompute samples with HF transformers and compare")
-    ve.add_argument("--samples", type=int, default=2, help="how many samples --model recomputes")
+    ve.add_argument("--samples", type=_int, default=2, help="how many samples --model recomputes")
+    ve.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="worst relative error --model accepts (default: from the stored dtype and the dtype vLLM ran the model "
+        "in: 1e-3 float32, 1e-2 float16, 3e-2 bfloat16)",
+    )
 
     sub.add_parser("version", help="print versions")
     return ap
@@ -227,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "verify":
             from .verify import run_verify
 
-            return run_verify(Path(args.dir), args.model, args.samples)
+            return run_verify(Path(args.dir), args.model, args.samples, args.tolerance)
         if args.cmd == "version":
             from .. import __version__
 

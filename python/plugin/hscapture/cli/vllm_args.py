@@ -8,6 +8,7 @@ hscapture sets itself are refused with the flag that sets them.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import json
@@ -61,13 +62,55 @@ def engine_fields() -> dict[str, str]:
     return {f.name: text(f.type) for f in dataclasses.fields(EngineArgs)}
 
 
-def parse(items: list[str] | None, fields: dict[str, str] | None = None) -> dict:
+def cli_actions() -> dict:
+    """vLLM's own command-line arguments for its engine (``EngineArgs.add_cli_args``) by field name: how vLLM
+    itself reads each value from text. Empty when this vLLM has no such parser."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:
+        return {}
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    return {a.dest: a for a in parser._actions if a.option_strings}
+
+
+def check_value(key: str, text: str, value, action) -> None:
+    """``text`` read as vLLM's own parser reads ``--key``; a value it refuses is a ``ConfigError`` naming both."""
+    if action is None:
+        return
+    flag = action.option_strings[0]
+    if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
+        if not isinstance(value, bool):
+            raise ConfigError(f"--vllm-arg {key}={text}: vLLM's {flag} is a switch; expected true or false")
+        return
+    if value is None:
+        return  # None leaves vLLM's default
+    parts = value if isinstance(value, list) and action.nargs in ("+", "*") else [value]
+    for part in parts:
+        raw = part if isinstance(part, str) else json.dumps(part) if isinstance(part, (dict, list)) else str(part)
+        try:
+            parsed = action.type(raw) if callable(action.type) else raw
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+            raise ConfigError(
+                f"--vllm-arg {key}={text}: vLLM reads {flag} as {_kind(action)} and refuses this value ({e})"
+            ) from None
+        if action.choices is not None and parsed not in action.choices:
+            raise ConfigError(f"--vllm-arg {key}={text}: vLLM's {flag} takes one of {sorted(map(str, action.choices))}")
+
+
+def _kind(action) -> str:
+    t = action.type
+    return getattr(t, "__name__", "its own type") if t is not None else "text"
+
+
+def parse(items: list[str] | None, fields: dict[str, str] | None = None, actions: dict | None = None) -> dict:
     """``["gpu_memory_utilization=0.9", "enable-expert-parallel=true"]`` -> keyword arguments for ``vllm.LLM``.
     Dashes in a key read as underscores, as on vLLM's command line. Raises :class:`ConfigError` naming the item."""
     out: dict = {}
     if not items:
         return out
     known = engine_fields() if fields is None else fields
+    actions = cli_actions() if actions is None else actions
     for item in items:
         key, sep, text = item.partition("=")
         key = key.strip().replace("-", "_")
@@ -91,5 +134,6 @@ def parse(items: list[str] | None, fields: dict[str, str] | None = None) -> dict
                 "never computed, so its states would be missing; hscapture turns prefix caching off "
                 "(false is the only value accepted)"
             )
+        check_value(key, text, value, actions.get(key))
         out[key] = value
     return out

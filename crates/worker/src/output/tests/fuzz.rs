@@ -55,6 +55,7 @@ fn capture(format: &str, compress: Option<i32>) -> (tempfile::TempDir, Vec<Sampl
         layer_ids: id.layer_ids.clone(),
         convention: id.convention.clone(),
         dtype: id.dtype.clone(),
+        model_dtype: None,
         hidden_size: id.hidden_size,
         num_hidden_layers: id.num_hidden_layers,
         tensor_parallel_size: 1,

@@ -21,6 +21,7 @@ fn round_trip_sorted() {
         layer_ids: vec![1, 3],
         convention: "after".into(),
         dtype: "float32".into(),
+        model_dtype: None,
         hidden_size: 4,
         num_hidden_layers: 4,
         tensor_parallel_size: 2,

@@ -42,6 +42,7 @@ fn manifest(root: &Path, samples: Vec<SampleRecord>) {
         layer_ids: id.layer_ids,
         convention: id.convention,
         dtype: id.dtype,
+        model_dtype: None,
         hidden_size: id.hidden_size,
         num_hidden_layers: id.num_hidden_layers,
         tensor_parallel_size: 1,

@@ -1,0 +1,73 @@
+"""hscapture's settings checked where vLLM builds its configuration — in the caller's process, before any
+engine starts — instead of in the workers, where a ``ConfigError`` reaches an ``LLM(...)`` caller only as
+"Engine core initialization failed".
+
+vLLM loads hscapture's general plugin in the process that builds an ``EngineArgs`` (``LLM(...)``, ``vllm serve``);
+the plugin wraps ``EngineArgs.create_engine_config`` (feature-detected) so that the configuration it returns is
+checked: every ``additional_config["hscapture"]`` value's type and range, the layer ids against the model's
+depth, and a worker class that captures at all (settings without ``--worker-cls hscapture.worker.CaptureWorker``
+would capture nothing). The workers check the same again, for callers that build a ``VllmConfig`` otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+_WRAPPED = "__hscapture_checked__"
+
+
+def check(vllm_config: Any) -> None:
+    """Raises ``ConfigError`` for settings that a worker would refuse (or silently ignore)."""
+    from .config import from_sources
+    from .errors import ConfigError
+
+    cfg = from_sources(getattr(vllm_config, "additional_config", None))
+    if cfg is None:
+        return
+    mc = vllm_config.model_config
+    text = getattr(mc, "hf_text_config", None) or mc.hf_config
+    cfg.resolve(int(text.num_hidden_layers))
+    worker_cls = getattr(vllm_config.parallel_config, "worker_cls", "auto")
+    if not _captures(worker_cls):
+        raise ConfigError(
+            f'additional_config["hscapture"] asks for layers {list(cfg.layers)}, but the worker class is {worker_cls!r}, '
+            "which does not capture: expected hscapture's worker; add --worker-cls hscapture.worker.CaptureWorker "
+            '(LLM(worker_cls="hscapture.worker.CaptureWorker"))'
+        )
+
+
+def _captures(worker_cls: Any) -> bool:
+    if isinstance(worker_cls, str):
+        if worker_cls == "auto":
+            return False
+        from .vllm_compat import resolve_qualname
+
+        try:
+            worker_cls = resolve_qualname(worker_cls)
+        except Exception:  # noqa: BLE001 - a class this process cannot import: the workers will tell
+            return True
+    from .worker import CaptureWorker
+
+    return isinstance(worker_cls, type) and issubclass(worker_cls, CaptureWorker)
+
+
+def install() -> bool:
+    """Wraps ``EngineArgs.create_engine_config`` once per process; False where vLLM has no such method."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return False
+    original = getattr(EngineArgs, "create_engine_config", None)
+    if original is None or getattr(original, _WRAPPED, False):
+        return original is not None
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args: Any, **kwargs: Any) -> Any:
+        vllm_config = original(self, *args, **kwargs)
+        check(vllm_config)
+        return vllm_config
+
+    setattr(create_engine_config, _WRAPPED, True)
+    EngineArgs.create_engine_config = create_engine_config
+    return True

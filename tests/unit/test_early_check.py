@@ -1,0 +1,45 @@
+"""hscapture's settings are checked in the process that builds vLLM's configuration (early_check.py), so an
+``LLM(...)`` caller gets the typed error at once, not "Engine core initialization failed" after an engine start."""
+
+import pytest
+
+from hscapture import ConfigError
+
+
+def engine_args(model, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(model), dtype="float32", max_model_len=32, enforce_eager=True, **kw)
+
+
+@pytest.mark.parametrize(
+    "section,worker,match",
+    [
+        ({"layers": [1.5], "convention": "after", "out": "/x"}, "hscapture.worker.CaptureWorker", "layers=\\[1.5\\]"),
+        (
+            {"layers": [1], "convention": "after", "dtype": "int8", "out": "/x"},
+            "hscapture.worker.CaptureWorker",
+            "int8",
+        ),
+        (
+            {"layers": [1], "convention": "after", "out": "/x", "extra": 1},
+            "hscapture.worker.CaptureWorker",
+            "unknown keys",
+        ),
+        ({"layers": [9], "convention": "after", "out": "/x"}, "hscapture.worker.CaptureWorker", "out of range"),
+        ({"layers": [1], "convention": "after", "out": "/x"}, "auto", "does not capture.*--worker-cls hscapture"),
+    ],
+)
+def test_bad_settings_fail_where_the_config_is_built(tiny_model, section, worker, match):
+    args = engine_args(tiny_model("llama"), worker_cls=worker, additional_config={"hscapture": section})
+    with pytest.raises(ConfigError, match=match):
+        args.create_engine_config()
+
+
+def test_good_settings_pass(tiny_model):
+    section = {"layers": [1, 3], "convention": "after", "out": "/x"}
+    args = engine_args(
+        tiny_model("llama"), worker_cls="hscapture.worker.CaptureWorker", additional_config={"hscapture": section}
+    )
+    assert args.create_engine_config().additional_config["hscapture"]["layers"] == [1, 3]
+    engine_args(tiny_model("llama")).create_engine_config()  # no hscapture settings: nothing to check

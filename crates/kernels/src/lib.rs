@@ -13,6 +13,7 @@ pub mod checksum;
 pub mod cpu;
 pub mod cuda;
 pub mod dtype;
+pub mod fp8;
 pub mod launch;
 
 pub use checksum::{combine_row, mix64, row_checksum};

@@ -49,6 +49,7 @@ fn run(out: PathBuf, background: bool, steps: usize, fwd: Duration, reqs: usize,
         threads: 8,
         queue: 64,
         durable: false,
+        staging: false,
     };
     // The worker's own path: the session feeding the writer (from the assembler thread, in the background).
     let mut s = WorkerSession::new(cfg, settings)?;

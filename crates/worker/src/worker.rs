@@ -14,10 +14,11 @@ use crate::capture::device::DeviceBackend;
 use crate::capture::session::{Aborted, Session, SessionConfig, StepOutcome};
 use crate::capture::tensor::TensorDesc;
 use crate::failure::Failure;
-use crate::output::format::by_name;
+use crate::output::format::{by_name, Format};
 use crate::output::record::{Identity, SampleRecord};
 use crate::output::sample::Sample;
-use crate::output::sink::FileSink;
+use crate::output::sink::{FileSink, Layout};
+use crate::output::staging::Locks;
 use crate::output::writer::{Writer, WriterConfig};
 use crate::{ensure, error::CoreResult};
 
@@ -36,6 +37,8 @@ pub struct OutputSettings {
     pub queue: usize,
     /// fsync every file and its directory before it counts as written.
     pub durable: bool,
+    /// Per-request files for a collecting client (`staging.rs`) instead of a capture directory.
+    pub staging: bool,
 }
 
 /// What a step's accounting reports to the caller.
@@ -61,14 +64,14 @@ pub struct WorkerSession {
     aborted: Vec<Aborted>,
 }
 
-/// The identity of a capture of `cfg` stored as `out` says.
-pub fn identity(cfg: &SessionConfig, out: &OutputSettings) -> Identity {
+/// The identity of a capture of `cfg` stored in `format` as `out` says.
+pub fn identity(cfg: &SessionConfig, out: &OutputSettings, format: &dyn Format) -> Identity {
     Identity {
-        format: out.format.clone(),
+        format: format.name().into(),
         model: out.model.clone(),
         layer_ids: cfg.layers.ids.clone(),
         convention: cfg.layers.convention.name().into(),
-        dtype: cfg.out_dtype.torch_name().into(),
+        dtype: format.stored_dtype(cfg.out_dtype).into(),
         hidden_size: cfg.hidden_size,
         num_hidden_layers: cfg.layers.num_hidden_layers,
     }
@@ -82,14 +85,22 @@ impl WorkerSession {
         ensure!(out.queue > 0, Config, "writer queue: expected at least 1 sample, found 0");
         let format = by_name(&out.format, out.compress)?;
         let failure = Failure::new();
-        let id = identity(&cfg, &out);
+        let id = identity(&cfg, &out, format.as_ref());
         let assemble = cfg.assemble;
-        let session = Session::with_failure(cfg, failure.clone())?;
+        let mut session = Session::with_failure(cfg, failure.clone())?;
         let output = match (assemble, &out.root) {
             (false, _) => Output::Nothing,
             (true, None) => Output::Memory(Vec::new()),
             (true, Some(root)) => {
-                let sink = Arc::new(FileSink::open(root, format, id, out.durable)?);
+                let layout = if out.staging {
+                    let locks = Arc::new(Locks::new(root));
+                    let held = Arc::clone(&locks);
+                    session.set_completion_hook(Arc::new(move |req: &str| held.hold(req)));
+                    Layout::Staging(locks)
+                } else {
+                    Layout::Capture
+                };
+                let sink = Arc::new(FileSink::with_layout(root, format, id, out.durable, layout)?);
                 let wcfg = WriterConfig { threads: out.threads, queue: out.queue, pool: Some(session.pool()) };
                 Output::Files(Writer::start(sink, wcfg, failure)?)
             }

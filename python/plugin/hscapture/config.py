@@ -60,6 +60,7 @@ class CaptureConfig:
     compress: int = 0
     format: str = "hscapture"
     model_name: str = ""
+    staging: bool = False  # per-request files a client collects (the KV connector, connector.py)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def resolve(self, num_hidden_layers: int) -> list[int]:
@@ -179,8 +180,8 @@ def _coerce(key: str, value: Any, where: str):
             "durable": "true or false (also yes/no, on/off, 1/0)",
             "model_name": "the model's name, as text",
             "convention": '"after" or "before"',
-            "format": "hscapture (safetensors files, speculators' current training; also called file) or legacy "
-            "(data_{i}.pt, speculators 0.3/0.4)",
+            "format": "hscapture (safetensors files, speculators' current training; also called file), fp8 (the same "
+            "with e4m3fn states and per-token scales, speculators' FP8Transfer) or legacy (data_{i}.pt, speculators 0.3/0.4)",
             "dtype": "auto, float32, bfloat16 or float16",
             "writer_threads": 'a positive integer or "auto" (one per CPU core, 4 to 16)',
             "writer_queue": "a positive integer",
@@ -191,8 +192,9 @@ def _coerce(key: str, value: Any, where: str):
         raise ConfigError(f"{where}: {key}={value!r} is not valid; expected {expect}") from None
 
 
-def from_sources(additional_config: dict | None) -> CaptureConfig | None:
-    """Merges ``additional_config["hscapture"]`` with ``HSCAPTURE_*``; None when neither names layers."""
+def from_sources(additional_config: dict | None, connector: dict | None = None) -> CaptureConfig | None:
+    """Merges ``additional_config["hscapture"]``, ``HSCAPTURE_*`` and the KV connector's settings
+    (``connector.settings``: its output directory, format and shorter spellings); None when none names layers."""
     envs.check_unknown()
     section = (additional_config or {}).get("hscapture")
     if section is not None and not isinstance(section, dict):
@@ -205,18 +207,21 @@ def from_sources(additional_config: dict | None) -> CaptureConfig | None:
         )
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    connector = dict(connector or {})
+    where_kv = 'kv_transfer_config["kv_connector_extra_config"]'
     for key, var in _KEYS.items():
-        from_cfg = _coerce(key, section[key], 'additional_config["hscapture"]') if key in section else None
-        from_env = _coerce(key, envs.raw(var), var) if envs.is_set(var) else None
-        if from_cfg is not None and from_env is not None and from_cfg != from_env:
-            raise ConfigError(
-                f"{key} is given twice with different values: additional_config says {from_cfg!r}, {var} says "
-                f"{from_env!r}; remove one of them"
-            )
-        if from_cfg is not None:
-            values[key], sources[key] = from_cfg, "additional_config"
-        elif from_env is not None:
-            values[key], sources[key] = from_env, var
+        given = []
+        if key in section:
+            given.append(("additional_config", _coerce(key, section[key], 'additional_config["hscapture"]')))
+        if key in connector:
+            given.append(("kv_connector_extra_config", _coerce(key, connector[key], where_kv)))
+        if envs.is_set(var):
+            given.append((var, _coerce(key, envs.raw(var), var)))
+        if len({repr(v) for _, v in given}) > 1:
+            said = ", ".join(f"{where} says {v!r}" for where, v in given)
+            raise ConfigError(f"{key} is given twice with different values: {said}; remove one of them")
+        if given:
+            sources[key], values[key] = given[0]
     if "layers" not in values:
         if values.get("out") is not None:
             raise ConfigError(
@@ -234,4 +239,10 @@ def from_sources(additional_config: dict | None) -> CaptureConfig | None:
         k: _coerce(k, envs.REGISTRY[v].default, v) for k, v in _KEYS.items() if envs.REGISTRY[v].default is not None
     }
     merged = {**defaults, **values}
-    return CaptureConfig(model_name=str(section.get("model_name", "")), sources=sources, **merged)
+    staging = bool(connector)
+    if staging and merged.get("on_nonfinite") == "skip":
+        raise ConfigError(
+            "on_nonfinite=skip with the KV connector: a skipped sample's answer would name a file that never appears; "
+            "expected on_nonfinite=error there (a NaN/Inf then fails the request with the error)"
+        )
+    return CaptureConfig(model_name=str(section.get("model_name", "")), sources=sources, staging=staging, **merged)

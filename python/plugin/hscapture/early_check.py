@@ -12,17 +12,27 @@ would capture nothing). The workers check the same again, for callers that build
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
+
+log = logging.getLogger("hscapture")
 
 _WRAPPED = "__hscapture_checked__"
 
 
+def capture_config(vllm_config: Any):
+    """The capture ``vllm_config`` asks for (``additional_config``, ``HSCAPTURE_*``, the KV connector), or None."""
+    from . import connector
+    from .config import from_sources
+
+    return from_sources(getattr(vllm_config, "additional_config", None), connector.settings(vllm_config))
+
+
 def check(vllm_config: Any) -> None:
     """Raises ``ConfigError`` for settings that a worker would refuse (or silently ignore)."""
-    from .config import from_sources
     from .errors import ConfigError
 
-    cfg = from_sources(getattr(vllm_config, "additional_config", None))
+    cfg = capture_config(vllm_config)
     if cfg is None:
         return
     mc = vllm_config.model_config
@@ -52,6 +62,37 @@ def _captures(worker_cls: Any) -> bool:
     return isinstance(worker_cls, type) and issubclass(worker_cls, CaptureWorker)
 
 
+def asks_for_capture(engine_args: Any) -> bool:
+    """Whether these engine arguments configure hscapture's capture (its settings, or its KV connector)."""
+    from . import connector
+
+    extra = getattr(engine_args, "additional_config", None)
+    kv = getattr(engine_args, "kv_transfer_config", None)
+    kv_name = kv.get("kv_connector") if isinstance(kv, dict) else getattr(kv, "kv_connector", None)
+    return (isinstance(extra, dict) and "hscapture" in extra) or kv_name == connector.NAME
+
+
+def prefix_caching_off(engine_args: Any) -> None:
+    """A prompt prefix served from vLLM's prefix cache is never computed, so its states cannot be captured: under
+    hscapture prefix caching is off unless asked for (then refused), with one log line saying so."""
+    from .errors import ConfigError
+
+    if not asks_for_capture(engine_args) or not hasattr(engine_args, "enable_prefix_caching"):
+        return
+    if engine_args.enable_prefix_caching is None:
+        engine_args.enable_prefix_caching = False
+        log.info(
+            "hscapture: prefix caching is off (a cached prompt prefix is never computed, so its hidden states "
+            "could not be captured)"
+        )
+    elif engine_args.enable_prefix_caching:
+        raise ConfigError(
+            "prefix caching is on (--enable-prefix-caching): a prompt prefix served from vLLM's cache is never "
+            "computed, so its hidden states could not be captured; expected it off: drop the flag (hscapture turns "
+            "it off) or pass --no-enable-prefix-caching"
+        )
+
+
 def install() -> bool:
     """Wraps ``EngineArgs.create_engine_config`` once per process; False where vLLM has no such method."""
     try:
@@ -64,6 +105,7 @@ def install() -> bool:
 
     @functools.wraps(original)
     def create_engine_config(self, *args: Any, **kwargs: Any) -> Any:
+        prefix_caching_off(self)
         vllm_config = original(self, *args, **kwargs)
         check(vllm_config)
         return vllm_config

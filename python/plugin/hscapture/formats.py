@@ -4,6 +4,8 @@ final one, the per-sample data the workers need from the input, and the document
 its files (the legacy layout's ``sample_lengths.json`` and ``data_config.json``).
 
 - ``hscapture``: ``OUT/hidden_states/hs_{i}.safetensors``, what speculators' current training reads;
+- ``fp8``: the same files with e4m3fn states and one scale per token, what speculators' ``FP8Transfer`` reads
+  (half of bf16's bytes);
 - ``legacy``: ``OUT/data_{i}.pt`` + ``sample_lengths.json`` + ``data_config.json``, the layout
   speculators 0.3/0.4's offline generator wrote and their trainers read.
 """
@@ -48,6 +50,14 @@ class Format:
     documents: tuple[str, ...] = ()
     _file = re.compile(r"^hs_(\d+)\.safetensors$")
 
+    def stored_dtype(self, dtype: str) -> str:
+        """The dtype the files hold for states captured in ``dtype`` (``auto`` stays ``auto``)."""
+        return dtype
+
+    def bytes_per_value(self, dtype_size: int) -> int:
+        """What one stored value takes for a dtype of ``dtype_size`` bytes."""
+        return dtype_size
+
     def index_of(self, name: str) -> int | None:
         """The sample index of a file name in ``folder``."""
         m = self._file.match(name)
@@ -66,6 +76,17 @@ class Format:
 
     def merge_documents(self, out: Path, first_shard: Path, records: list[dict], shards: list[Path]) -> None:
         """The documents of a merged capture (``hscapture merge``)."""
+
+
+class Fp8(Format):
+    name = "fp8"
+    stored = "float8_e4m3fn"
+
+    def stored_dtype(self, dtype: str) -> str:
+        return self.stored
+
+    def bytes_per_value(self, dtype_size: int) -> int:
+        return 1
 
 
 class Legacy(Format):
@@ -105,7 +126,7 @@ class Legacy(Format):
         write_json(out / "data_config.json", cfg)
 
 
-FORMATS: dict[str, Format] = {"hscapture": Format(), "legacy": Legacy()}
+FORMATS: dict[str, Format] = {"hscapture": Format(), "fp8": Fp8(), "legacy": Legacy()}
 
 
 def get(name: str) -> Format:

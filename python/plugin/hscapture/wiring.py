@@ -64,6 +64,7 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         format=cfg.format,
         compress=cfg.compress or None,
         model=cfg.model_name or model,
+        staging=cfg.staging,
     )
     if writer and cfg.out is None:
         log.warning(

@@ -13,7 +13,7 @@ from typing import Any
 
 from . import vllm_compat
 from .capture import WorkerCapture, run_step
-from .config import from_sources
+from .early_check import capture_config
 from .errors import HscaptureError
 from .failures import record_failure
 from .rpc import HiddenStatesRPC
@@ -32,7 +32,7 @@ class CaptureWorker(HiddenStatesRPC, _Base):  # type: ignore[misc, valid-type]
         super().load_model(*args, **kwargs)
         additional = getattr(self.vllm_config, "additional_config", None)
         try:
-            cfg = from_sources(additional)
+            cfg = capture_config(self.vllm_config)
             if cfg is not None:
                 if self._hscapture is not None:  # the model was loaded again: the old hooks go with the old model
                     self._hscapture.close()

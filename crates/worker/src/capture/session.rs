@@ -47,7 +47,12 @@ pub struct Session {
     failure: Failure,
     pool: Arc<BufferPool>,
     aborted: Vec<Aborted>,
+    /// Called with each request whose prompt completes, when its step ends (before its rows are accounted).
+    on_complete: Option<CompletionHook>,
 }
+
+/// See [`Session::set_completion_hook`].
+pub type CompletionHook = Arc<dyn Fn(&str) -> CoreResult<()> + Send + Sync>;
 
 impl Session {
     pub fn new(cfg: SessionConfig) -> CoreResult<Session> {
@@ -70,7 +75,15 @@ impl Session {
             failure,
             pool,
             aborted: Vec::new(),
+            on_complete: None,
         })
+    }
+
+    /// Calls `hook` with the request id of every request whose prompt completes, when the step that
+    /// completes it ends — synchronously, before the step's rows are accounted and before vLLM can answer
+    /// the request (the per-request locks of a staging directory are taken there).
+    pub fn set_completion_hook(&mut self, hook: CompletionHook) {
+        self.on_complete = Some(hook);
     }
 
     fn fresh(&self) -> bool {
@@ -267,6 +280,12 @@ impl Session {
         }
     }
 
+    /// Tests only: holds the assembler thread until the returned sender is dropped.
+    #[cfg(test)]
+    pub(crate) fn hold_assembler_for_test(&self) -> crossbeam_channel::Sender<()> {
+        self.buffers.hold().expect("background assembly")
+    }
+
     pub(crate) fn slot_name(&self, slot: usize) -> String {
         slot_name(&self.cfg.layers, slot)
     }
@@ -337,6 +356,13 @@ impl Session {
             );
         }
         let events = self.tracker.commit()?;
+        if let Some(hook) = &self.on_complete {
+            for e in &events {
+                if let Event::Completed { req_id, .. } = e {
+                    hook(req_id)?;
+                }
+            }
+        }
         let plan = plan.unwrap_or(StepPlan { step, ..Default::default() });
         if self.on_device {
             let Some(dev) = self.device.as_mut() else {

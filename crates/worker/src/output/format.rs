@@ -1,6 +1,7 @@
 //! The one interface of a stored layout: what a finished sample becomes on disk, and back.
 //! - `hscapture` (`safetensors.rs`): `hidden_states/hs_{i}.safetensors`, the layout speculators'
 //!   current training reads, in the model's or the store dtype, optionally compressed;
+//! - `fp8` (`fp8.rs`): the same files with e4m3fn states and a scale per token (speculators' `FP8Transfer`);
 //! - `legacy` (`legacy.rs`): speculators 0.3/0.4's `data_{i}.pt`.
 //!
 //! A format encodes a sample into the parts of one file (written atomically by the sink, hashed on the
@@ -11,11 +12,13 @@ use std::borrow::Cow;
 use std::path::Path;
 
 use crate::attribution::plan::SampleKey;
+use crate::output::fp8::Fp8;
 use crate::output::legacy::Legacy;
 use crate::output::record::{file_checksum, Identity};
 use crate::output::safetensors::Safetensors;
 use crate::output::sample::{LoadedSample, Sample};
 use crate::{bail, core_err, error::CoreResult};
+use hscapture_kernels::DType;
 
 pub trait Format: Send + Sync {
     /// The name in manifests, journals and on the command line.
@@ -28,6 +31,10 @@ pub trait Format: Send + Sync {
     fn index_of(&self, name: &str) -> Option<u64>;
     /// The bytes of `sample`'s file, as parts written back to back.
     fn encode<'a>(&self, sample: &'a Sample, identity: &Identity) -> CoreResult<Vec<Cow<'a, [u8]>>>;
+    /// The torch name of the dtype this format stores states of `dtype` in (the capture's identity records it).
+    fn stored_dtype(&self, dtype: DType) -> &'static str {
+        dtype.torch_name()
+    }
     /// Reads a file this format wrote (`what` names it in errors); `checksum` is left to the caller.
     fn decode(&self, bytes: &[u8], what: &str) -> CoreResult<LoadedSample>;
 }
@@ -44,8 +51,9 @@ pub fn by_name(name: &str, compress: Option<i32>) -> CoreResult<Box<dyn Format>>
     }
     match name {
         "hscapture" | "file" => Ok(Box::new(Safetensors { compress })),
+        "fp8" => Ok(Box::new(Fp8)),
         "legacy" => Ok(Box::new(Legacy)),
-        other => bail!(Config, "unknown format {other:?}: expected hscapture (safetensors files, speculators' current training) or legacy (data_{{i}}.pt, speculators 0.3/0.4)"),
+        other => bail!(Config, "unknown format {other:?}: expected hscapture (safetensors files, speculators' current training), fp8 (the same with e4m3fn states and per-token scales, speculators' FP8Transfer) or legacy (data_{{i}}.pt, speculators 0.3/0.4)"),
     }
 }
 

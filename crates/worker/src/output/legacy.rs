@@ -264,15 +264,9 @@ impl Format for Legacy {
             "{what}: loss_mask should be {rows} values of 0 or 1, found {} values",
             mask.len()
         );
-        Ok(LoadedSample {
-            token_ids,
-            shape: [rows, slots, width],
-            dtype,
-            data,
-            metadata: Default::default(),
-            loss_mask: Some(mask.into_iter().map(|m| m as u8).collect()),
-            checksum: String::new(),
-        })
+        let mut s = LoadedSample::new(token_ids, [rows, slots, width], dtype, data, Default::default());
+        s.loss_mask = Some(mask.into_iter().map(|m| m as u8).collect());
+        Ok(s)
     }
 }
 

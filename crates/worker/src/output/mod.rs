@@ -1,8 +1,9 @@
 //! The output side: what a finished sample becomes.
 //! - [`sample`], [`pool`]: an assembled sample and the recycled buffers its bytes live in;
-//! - [`format`]: the one interface of a stored layout ([`safetensors`], [`legacy`] over [`zip`]), with
+//! - [`format`]: the one interface of a stored layout ([`safetensors`], [`fp8`], [`legacy`] over [`zip`]), with
 //!   [`compress`];
-//! - [`sink`]: where encoded samples go (files, atomically, each journaled);
+//! - [`sink`]: where encoded samples go (files, atomically, each journaled), and [`staging`]: per-request files
+//!   for a client that collects them;
 //! - [`writer`]: the threads that feed a sink, behind a bounded queue;
 //! - [`atomic`], [`journal`], [`manifest`], [`record`]: files that appear whole, and what they list;
 //! - [`dirlock`]: one writing process per output directory;
@@ -12,6 +13,7 @@ pub mod atomic;
 pub mod compress;
 pub mod dirlock;
 pub mod format;
+pub mod fp8;
 pub mod journal;
 pub mod legacy;
 pub mod manifest;
@@ -21,6 +23,7 @@ pub mod resume;
 pub mod safetensors;
 pub mod sample;
 pub mod sink;
+pub mod staging;
 pub mod verify;
 pub mod writer;
 pub mod zip;

@@ -55,36 +55,40 @@ pub fn identity_metadata(identity: &Identity) -> CoreResult<HashMap<String, Stri
     ]))
 }
 
-/// Header bytes (length prefix excluded), padded with spaces to a multiple of 8. `compressed`: the
-/// length of the compressed states stored instead of `hidden_states`. The JSON's keys are sorted (a
-/// file is a function of its sample: its checksum too).
-fn header(sample: &Sample, mut metadata: HashMap<String, String>, compressed: Option<usize>) -> CoreResult<Vec<u8>> {
-    let tok_len = sample.token_ids.len() * 8;
-    let (states, dtype, shape, end) = match compressed {
-        None => ("hidden_states", st_dtype(sample.dtype), sample.shape().to_vec(), tok_len + sample.data.len()),
-        Some(n) => (COMPRESSED, Dtype::U8, vec![n], tok_len + n),
-    };
-    if compressed.is_some() {
-        let [l, n, h] = sample.shape();
-        metadata.insert(META_CODEC.into(), crate::output::compress::CODEC.into());
-        metadata.insert(META_SHAPE.into(), format!("{l},{n},{h}"));
-        metadata.insert(META_DTYPE.into(), format!("{:?}", st_dtype(sample.dtype)));
-    }
-    let info = |dtype: Dtype, shape: Vec<usize>, begin: usize, end: usize| serde_json::json!({"dtype": format!("{dtype:?}"), "shape": shape, "data_offsets": [begin, end]});
+/// One tensor of a file, in file order: name, safetensors dtype, shape, byte length.
+pub struct Tensor<'n> {
+    pub name: &'n str,
+    pub dtype: &'static str,
+    pub shape: Vec<usize>,
+    pub bytes: usize,
+}
+
+/// Header bytes (length prefix included) for `tensors` laid out back to back in that order, padded with spaces to
+/// a multiple of 8. The JSON's keys are sorted (a file is a function of its sample: its checksum too).
+pub fn header(tensors: &[Tensor<'_>], metadata: HashMap<String, String>) -> CoreResult<Vec<u8>> {
     let mut head = serde_json::Map::new();
-    head.insert("token_ids".into(), info(Dtype::I64, vec![sample.token_ids.len()], 0, tok_len));
-    head.insert(states.into(), info(dtype, shape, tok_len, end));
+    let mut at = 0usize;
+    for t in tensors {
+        let end = at + t.bytes;
+        head.insert(t.name.into(), serde_json::json!({"dtype": t.dtype, "shape": t.shape, "data_offsets": [at, end]}));
+        at = end;
+    }
     if !metadata.is_empty() {
         let sorted: std::collections::BTreeMap<String, String> = metadata.into_iter().collect();
         head.insert("__metadata__".into(), serde_json::json!(sorted));
     }
     let mut buf = serde_json::to_vec(&head).map_err(|e| core_err!(Output, "cannot encode the safetensors header: {e}"))?;
     buf.resize(buf.len().next_multiple_of(8), b' ');
-    Ok(buf)
+    Ok([(buf.len() as u64).to_le_bytes().to_vec(), buf].concat())
 }
 
-/// The parts of `sample`'s file with the given metadata (the states borrowed, not copied).
-pub fn encode_with<'a>(sample: &'a Sample, metadata: HashMap<String, String>, compress: Option<i32>) -> CoreResult<Vec<Cow<'a, [u8]>>> {
+/// `token_ids` as the bytes of an I64 tensor.
+pub fn token_bytes(sample: &Sample) -> Vec<u8> {
+    sample.token_ids.iter().flat_map(|t| t.to_le_bytes()).collect()
+}
+
+/// Checks that a sample's data and token ids make a `[rows, slots, width]` sample.
+pub fn check_sample(sample: &Sample) -> CoreResult<()> {
     let [rows, slots, width] = sample.shape();
     ensure!(
         sample.data.len() == rows * slots * width * sample.dtype.size() && sample.token_ids.len() == rows,
@@ -95,20 +99,38 @@ pub fn encode_with<'a>(sample: &'a Sample, metadata: HashMap<String, String>, co
         sample.token_ids.len(),
         sample.dtype
     );
-    let packed = match compress {
-        Some(level) => Some(crate::output::compress::encode(&sample.data, sample.dtype.size(), level)?),
-        None => None,
-    };
-    let head = header(sample, metadata, packed.as_ref().map(Vec::len))?;
-    let tokens: Vec<u8> = sample.token_ids.iter().flat_map(|t| t.to_le_bytes()).collect();
-    let states = match packed {
-        Some(p) => Cow::Owned(p),
-        None => Cow::Borrowed(sample.data.as_slice()),
-    };
-    Ok(vec![Cow::Owned((head.len() as u64).to_le_bytes().to_vec()), Cow::Owned(head), Cow::Owned(tokens), states])
+    Ok(())
 }
 
-fn token_ids(ti: &safetensors::tensor::TensorView<'_>, what: &str) -> CoreResult<Vec<i64>> {
+/// The parts of `sample`'s file with the given metadata (the states borrowed, not copied).
+pub fn encode_with<'a>(sample: &'a Sample, mut metadata: HashMap<String, String>, compress: Option<i32>) -> CoreResult<Vec<Cow<'a, [u8]>>> {
+    check_sample(sample)?;
+    let tokens = token_bytes(sample);
+    let ti = Tensor { name: "token_ids", dtype: "I64", shape: vec![sample.token_ids.len()], bytes: tokens.len() };
+    let (head, states) = match compress {
+        Some(level) => {
+            let packed = crate::output::compress::encode(&sample.data, sample.dtype.size(), level)?;
+            let [l, n, h] = sample.shape();
+            metadata.insert(META_CODEC.into(), crate::output::compress::CODEC.into());
+            metadata.insert(META_SHAPE.into(), format!("{l},{n},{h}"));
+            metadata.insert(META_DTYPE.into(), format!("{:?}", st_dtype(sample.dtype)));
+            let z = Tensor { name: COMPRESSED, dtype: "U8", shape: vec![packed.len()], bytes: packed.len() };
+            (header(&[ti, z], metadata)?, Cow::Owned(packed))
+        }
+        None => {
+            let hs = Tensor {
+                name: "hidden_states",
+                dtype: sample.dtype.safetensors_name(),
+                shape: sample.shape().to_vec(),
+                bytes: sample.data.len(),
+            };
+            (header(&[ti, hs], metadata)?, Cow::Borrowed(sample.data.as_slice()))
+        }
+    };
+    Ok(vec![Cow::Owned(head), Cow::Owned(tokens), states])
+}
+
+pub fn token_ids(ti: &safetensors::tensor::TensorView<'_>, what: &str) -> CoreResult<Vec<i64>> {
     ensure!(
         ti.dtype() == Dtype::I64 && ti.shape().len() == 1,
         Output,
@@ -152,6 +174,9 @@ impl Format for Safetensors {
             return decode_compressed(&st, metadata, token_ids, what);
         }
         let hs = st.tensor("hidden_states").map_err(|e| core_err!(Output, "{what}: no `hidden_states` tensor ({e})"))?;
+        if hs.dtype() == Dtype::F8_E4M3 {
+            return crate::output::fp8::decode(&st, &hs, metadata, token_ids, what);
+        }
         let dtype = from_st(hs.dtype())
             .ok_or_else(|| core_err!(Output, "{what}: `hidden_states` has dtype {:?}, expected F32, BF16 or F16", hs.dtype()))?;
         let shape: [usize; 3] =
@@ -162,7 +187,7 @@ impl Format for Safetensors {
             "{what}: `hidden_states` {shape:?} and `token_ids` [{}] do not form [L, n_layers, H] and [L]",
             token_ids.len()
         );
-        Ok(LoadedSample { token_ids, shape, dtype, data: hs.data().to_vec(), metadata, loss_mask: None, checksum: String::new() })
+        Ok(LoadedSample::new(token_ids, shape, dtype, hs.data().to_vec(), metadata))
     }
 }
 
@@ -195,7 +220,7 @@ fn decode_compressed(st: &SafeTensors<'_>, metadata: HashMap<String, String>, to
         .ok_or_else(|| core_err!(Output, "{what}: compressed states of shape {shape:?} overflow; the file is damaged"))?;
     let z = st.tensor(COMPRESSED).map_err(|e| core_err!(Output, "{what}: no `{COMPRESSED}` tensor ({e})"))?;
     let data = crate::output::compress::decode(z.data(), dtype.size(), len, what)?;
-    Ok(LoadedSample { token_ids, shape, dtype, data, metadata, loss_mask: None, checksum: String::new() })
+    Ok(LoadedSample::new(token_ids, shape, dtype, data, metadata))
 }
 
 #[cfg(test)]

@@ -32,6 +32,15 @@ pub struct LoadedSample {
     pub loss_mask: Option<Vec<u8>>,
     /// The whole file's checksum (what its record must carry).
     pub checksum: String,
+    /// torch name of the dtype on disk (`float8_e4m3fn` for fp8 files, whose `data` is dequantized).
+    pub stored: String,
+}
+
+impl LoadedSample {
+    pub fn new(token_ids: Vec<i64>, shape: [usize; 3], dtype: DType, data: Vec<u8>, metadata: HashMap<String, String>) -> Self {
+        let stored = dtype.torch_name().to_string();
+        LoadedSample { token_ids, shape, dtype, data, metadata, loss_mask: None, checksum: String::new(), stored }
+    }
 }
 
 impl Sample {

@@ -3,6 +3,7 @@
 //! [`Format`] under an output root, atomically, and journals each one.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::attribution::plan::SampleKey;
 use crate::output::atomic::write_atomic;
@@ -11,35 +12,62 @@ use crate::output::format::Format;
 use crate::output::journal::Journal;
 use crate::output::record::{Identity, SampleRecord};
 use crate::output::sample::Sample;
-use crate::{core_err, error::CoreResult};
+use crate::output::staging::{self, Locks};
+use crate::{core_err, ensure, error::CoreResult};
 
 pub trait Sink: Send + Sync {
     /// Stores `sample`; returns its record once it is safely stored.
     fn put(&self, sample: &Sample) -> CoreResult<SampleRecord>;
 }
 
+/// How a sink lays files out under its root.
+pub enum Layout {
+    /// A capture directory: the format's files and folder, the journal, one writing process.
+    Capture,
+    /// Per-request files that a client collects (`staging.rs`): `<request id>.safetensors`, each with its lock
+    /// held until the file is in place; no journal (the client moves the files away), a shared directory.
+    Staging(Arc<Locks>),
+}
+
 /// Files in `format` under `root`, each written atomically (durably when asked), then journaled.
 pub struct FileSink {
-    /// Held for as long as this sink may write (first: released last).
-    _lock: WriterLock,
+    /// Held for as long as this sink may write (first: released last); none for a staging directory.
+    _lock: Option<WriterLock>,
     root: PathBuf,
     format: Box<dyn Format>,
     identity: Identity,
     durable: bool,
-    journal: Journal,
+    journal: Option<Journal>,
+    locks: Option<Arc<Locks>>,
 }
 
 impl FileSink {
     /// Creates the format's folder under `root`, takes the directory's writer lock and opens the journal
     /// (refused when another process writes there, or when the journal belongs to another identity).
     pub fn open(root: &Path, format: Box<dyn Format>, identity: Identity, durable: bool) -> CoreResult<FileSink> {
-        let dir = root.join(format.folder());
+        FileSink::with_layout(root, format, identity, durable, Layout::Capture)
+    }
+
+    /// As [`FileSink::open`], in `layout`.
+    pub fn with_layout(root: &Path, format: Box<dyn Format>, identity: Identity, durable: bool, layout: Layout) -> CoreResult<FileSink> {
+        let staging = matches!(layout, Layout::Staging(_));
+        let dir = if staging { root.to_path_buf() } else { root.join(format.folder()) };
         std::fs::create_dir_all(&dir).map_err(|e| {
             core_err!(Output, "cannot create the output directory {}: {e}; choose a directory you can write", dir.display())
         })?;
-        let lock = WriterLock::acquire(root)?;
-        let journal = Journal::open(root, &identity, durable)?;
-        Ok(FileSink { _lock: lock, root: root.to_path_buf(), format, identity, durable, journal })
+        let (lock, journal, locks) = match layout {
+            Layout::Capture => (Some(WriterLock::acquire(root)?), Some(Journal::open(root, &identity, durable)?), None),
+            Layout::Staging(locks) => {
+                ensure!(
+                    format.folder() == "hidden_states",
+                    Config,
+                    "per-request files are safetensors files; the {} format cannot be served that way",
+                    format.name()
+                );
+                (None, None, Some(locks))
+            }
+        };
+        Ok(FileSink { _lock: lock, root: root.to_path_buf(), format, identity, durable, journal, locks })
     }
 
     pub fn root(&self) -> &Path {
@@ -49,15 +77,26 @@ impl FileSink {
 
 impl Sink for FileSink {
     fn put(&self, sample: &Sample) -> CoreResult<SampleRecord> {
-        let file = self.format.file(&sample.key);
-        let parts = self.format.encode(sample, &self.identity)?;
-        let written = write_atomic(&self.root.join(&file), self.durable, |w| parts.iter().try_for_each(|p| w.write_all(p)))?;
+        let file = match &self.locks {
+            Some(_) => staging::file_name(&sample.req_id),
+            None => self.format.file(&sample.key),
+        };
+        let written = self
+            .format
+            .encode(sample, &self.identity)
+            .and_then(|parts| write_atomic(&self.root.join(&file), self.durable, |w| parts.iter().try_for_each(|p| w.write_all(p))));
+        if let Some(locks) = &self.locks {
+            locks.release(&sample.req_id); // the file is in place (or never will be: the capture failed)
+        }
+        let written = written?;
         let (index, request_id) = match &sample.key {
             SampleKey::Index(i) => (Some(*i), None),
             SampleKey::Request(_) => (None, Some(sample.req_id.clone())),
         };
         let rec = SampleRecord { index, request_id, file, length: sample.rows, checksum: written.checksum, bytes: written.bytes };
-        self.journal.append(&rec)?;
+        if let Some(j) = &self.journal {
+            j.append(&rec)?;
+        }
         Ok(rec)
     }
 }

@@ -63,8 +63,8 @@ pub fn check_file(
     if s.shape != expected {
         problems.push(format!("hidden_states shape {:?}, expected {:?}", s.shape, expected));
     }
-    if s.dtype.torch_name() != identity.dtype {
-        problems.push(format!("dtype {}, the capture stores {}", s.dtype, identity.dtype));
+    if s.stored != identity.dtype {
+        problems.push(format!("dtype {}, the capture stores {}", s.stored, identity.dtype));
     }
     if s.token_ids.len() != rec.length {
         problems.push(format!("{} token ids for {} rows", s.token_ids.len(), rec.length));

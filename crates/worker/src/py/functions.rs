@@ -44,6 +44,60 @@ fn capture_points(ids: Vec<i64>, convention: &str, num_hidden_layers: usize) -> 
     guard("capture_points", || Ok(points(&LayerPlan::new(&ids, Convention::parse(convention)?, num_hidden_layers)?)))
 }
 
+/// speculators' fp8 quantization of `tokens` tokens of `per_token` values each (`data` little-endian in `dtype`):
+/// the e4m3fn codes and one f32 scale per token — what the `fp8` format stores.
+#[pyfunction]
+fn fp8_quantize<'py>(
+    py: Python<'py>,
+    data: &[u8],
+    dtype: &str,
+    tokens: usize,
+    per_token: usize,
+) -> PyResult<(Bound<'py, PyBytes>, Vec<f32>)> {
+    guard("fp8_quantize", || {
+        let d = super::tensor::parse_dtype(dtype, "dtype")?;
+        let values = tokens.checked_mul(per_token).filter(|n| n.checked_mul(d.size()) == Some(data.len()));
+        let values = values.ok_or_else(|| {
+            core_err!(ShapeContract, "fp8_quantize: {} bytes are not {tokens} tokens of {per_token} {d} values", data.len())
+        })?;
+        let (mut codes, mut scales) = (vec![0u8; values], vec![0f32; tokens]);
+        py.detach(|| hscapture_kernels::fp8::quantize(data, d, tokens, per_token, &mut codes, &mut scales));
+        Ok((PyBytes::new(py, &codes), scales))
+    })
+}
+
+/// The bytes of the file `format` stores a sample in: `data` `shape` `[L, n_layers, H]` little-endian in `dtype`, with
+/// `token_ids` and the capture's `identity_json` (an identity as manifests record it).
+#[pyfunction]
+fn encode_sample<'py>(
+    py: Python<'py>,
+    format: &str,
+    identity_json: &str,
+    token_ids: Vec<i64>,
+    data: &[u8],
+    shape: [usize; 3],
+    dtype: &str,
+) -> PyResult<Bound<'py, PyBytes>> {
+    guard("encode_sample", || {
+        let identity: Identity =
+            serde_json::from_str(identity_json).map_err(|e| core_err!(Config, "encode_sample: the identity is not valid ({e})"))?;
+        let sample = crate::output::sample::Sample {
+            key: crate::attribution::plan::SampleKey::Index(0),
+            req_id: String::new(),
+            token_ids,
+            data: data.to_vec(),
+            rows: shape[0],
+            slots: shape[1],
+            width: shape[2],
+            dtype: super::tensor::parse_dtype(dtype, "dtype")?,
+            loss_mask: None,
+        };
+        let f = crate::output::format::by_name(format, None)?;
+        let bytes = py.detach(|| f.encode(&sample, &identity).map(|parts| parts.concat()))?;
+        Ok(PyBytes::new(py, &bytes))
+    })
+}
+
 /// Checks a manifest given as JSON and writes it atomically and durably (samples sorted).
 #[pyfunction]
 fn write_manifest(py: Python<'_>, path: PathBuf, manifest_json: &str) -> PyResult<()> {
@@ -72,6 +126,7 @@ fn read_sample<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDic
         d.set_item("token_ids", s.token_ids)?;
         d.set_item("shape", s.shape.to_vec())?;
         d.set_item("dtype", s.dtype.torch_name())?;
+        d.set_item("stored", s.stored)?;
         d.set_item("data", PyBytes::new(py, &s.data))?;
         d.set_item("checksum", s.checksum)?;
         d.set_item("metadata", s.metadata)?;
@@ -121,6 +176,12 @@ fn resume_plan<'py>(py: Python<'py>, root: PathBuf, identity: &str) -> PyResult<
 #[pyo3(signature = (path, data, durable=true))]
 fn write_file(py: Python<'_>, path: PathBuf, data: &[u8], durable: bool) -> PyResult<u64> {
     guard("write_file", || Ok(py.detach(|| write_atomic(&path, durable, |w| w.write_all(data)))?.bytes))
+}
+
+/// The file name a staging directory gives request `req_id`'s sample (`<id>.safetensors`, id made safe).
+#[pyfunction]
+fn staged_file_name(req_id: &str) -> PyResult<String> {
+    guard("staged_file_name", || Ok(crate::output::staging::file_name(req_id)))
 }
 
 /// Flushes a directory's entries (renames into it) to disk.
@@ -196,6 +257,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(write_file, m)?)?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(sync_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(staged_file_name, m)?)?;
+    m.add_function(wrap_pyfunction!(fp8_quantize, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_sample, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_probe, m)?)?;

@@ -61,9 +61,10 @@ fn tuples(rs: Vec<StepReport>) -> Vec<ReportTuple> {
 #[pymethods]
 impl CaptureSession {
     /// `out_dir=None` keeps completed samples in memory for `take_samples()`; otherwise the writing
-    /// rank writes them under `out_dir` in `format` with `writer_threads` threads.
+    /// rank writes them under `out_dir` in `format` with `writer_threads` threads — a capture directory, or with
+    /// `staging` per-request files a client collects (`output/staging.rs`).
     #[new]
-    #[pyo3(signature = (layer_ids, convention, num_hidden_layers, hidden_size, model_dtype, out_dtype, assemble, out_dir=None, writer_threads=4, writer_queue=8, durable=true, format="hscapture".to_string(), compress=None, model=String::new()))]
+    #[pyo3(signature = (layer_ids, convention, num_hidden_layers, hidden_size, model_dtype, out_dtype, assemble, out_dir=None, writer_threads=4, writer_queue=8, durable=true, format="hscapture".to_string(), compress=None, model=String::new(), staging=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -81,6 +82,7 @@ impl CaptureSession {
         format: String,
         compress: Option<i32>,
         model: String,
+        staging: bool,
     ) -> PyResult<Self> {
         guard("CaptureSession()", || {
             let cfg = SessionConfig {
@@ -90,7 +92,8 @@ impl CaptureSession {
                 out_dtype: parse_dtype(out_dtype, "output dtype")?,
                 assemble,
             };
-            let out = OutputSettings { root: out_dir, format, compress, model, threads: writer_threads, queue: writer_queue, durable };
+            let out =
+                OutputSettings { root: out_dir, format, compress, model, threads: writer_threads, queue: writer_queue, durable, staging };
             Ok(CaptureSession { inner: py.detach(|| WorkerSession::new(cfg, out))? })
         })
     }

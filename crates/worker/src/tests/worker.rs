@@ -15,7 +15,16 @@ fn cfg(assemble: bool) -> SessionConfig {
 }
 
 fn out(root: Option<PathBuf>) -> OutputSettings {
-    OutputSettings { root, format: "hscapture".into(), compress: None, model: "m".into(), threads: 2, queue: 2, durable: false }
+    OutputSettings {
+        root,
+        format: "hscapture".into(),
+        compress: None,
+        model: "m".into(),
+        threads: 2,
+        queue: 2,
+        durable: false,
+        staging: false,
+    }
 }
 
 fn step(w: &mut WorkerSession, i: u64) -> Vec<StepReport> {
@@ -79,4 +88,26 @@ fn settings_out_of_range_are_refused_before_anything_starts() {
     assert!(bad(|o| o.compress = Some(23)).contains("zstd takes 1..=22"));
     assert!(bad(|o| o.format = "parquet".into()).contains("unknown format"));
     assert!(!d.path().join(crate::output::journal::FILE).exists(), "no journal for a refused session");
+}
+
+#[test]
+fn a_staged_file_s_lock_is_taken_when_its_step_ends_and_released_once_it_is_in_place() {
+    use std::fs::{File, TryLockError};
+    let d = tempfile::tempdir().unwrap();
+    let mut o = out(Some(d.path().into()));
+    o.staging = true;
+    let mut w = WorkerSession::new(cfg(true), o).unwrap();
+    w.set_background(2).unwrap();
+    let hold = w.session_mut().hold_assembler_for_test();
+    step(&mut w, 0); // the step ends: r0's prompt is complete, its rows wait on the held assembler thread
+    let lock = d.path().join("r0.safetensors.lock");
+    let probe = File::open(&lock).expect("the lock exists as the step ends, before any answer for r0");
+    assert!(matches!(probe.try_lock(), Err(TryLockError::WouldBlock)), "and is held while the file is not written");
+    assert!(!d.path().join("r0.safetensors").exists());
+    drop(hold);
+    w.drain().unwrap();
+    probe.try_lock().expect("released once the file is in place");
+    assert!(d.path().join("r0.safetensors").exists() && lock.exists(), "the client removes the lock file");
+    assert!(!d.path().join(crate::output::journal::FILE).exists(), "no journal in a staging directory");
+    w.finish().unwrap();
 }

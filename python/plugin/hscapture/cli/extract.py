@@ -124,9 +124,10 @@ def check_executor(executor: str | None) -> None:
 
 def identity(opts: ExtractOptions, ids: list[int], cfg: dict) -> dict:
     """The run's identity as far as the driver knows it (the stored dtype may be vLLM's choice: `auto`)."""
-    dtype = opts.store_dtype if opts.store_dtype != "auto" else opts.dtype
+    fmt = formats.get(opts.format)
+    dtype = fmt.stored_dtype(opts.store_dtype if opts.store_dtype != "auto" else opts.dtype)
     return {
-        "format": formats.get(opts.format).name,
+        "format": fmt.name,
         "model": str(opts.model),
         "layer_ids": ids,
         "convention": opts.convention,
@@ -328,7 +329,7 @@ def _bytes_per_token(llm, cfg: dict, opts: ExtractOptions, n: int) -> int:
     dt = opts.store_dtype
     if dt == "auto":
         dt = str(getattr(getattr(llm.llm_engine, "model_config", None), "dtype", "bfloat16")).removeprefix("torch.")
-    return n * model_field(cfg, "hidden_size") * sizes.get(dt, 2)
+    return n * model_field(cfg, "hidden_size") * formats.get(opts.format).bytes_per_value(sizes.get(dt, 2))
 
 
 def _finish(

@@ -50,7 +50,8 @@ def parser() -> argparse.ArgumentParser:
         "--format",
         default="hscapture",
         choices=sorted(FORMATS),
-        help="hscapture: hidden_states/hs_{i}.safetensors (speculators' current training); legacy: "
+        help="hscapture: hidden_states/hs_{i}.safetensors (speculators' current training); fp8: the same files "
+        "with e4m3fn states and per-token scales, half the bytes (speculators' FP8Transfer); legacy: "
         "data_{i}.pt + sample_lengths.json + data_config.json (speculators 0.3/0.4)",
     )
     ex.add_argument(

@@ -1,0 +1,112 @@
+"""hscapture's KV-connector face: the hidden-states server contract of speculators ≥ 0.5 (its
+``generate-offline-data`` and online training), on hscapture's capture.
+
+    vllm serve MODEL --worker-cls hscapture.worker.CaptureWorker \\
+      --additional-config '{"hscapture": {"layers": [2, 16, 29, 32], "convention": "before"}}' \\
+      --kv-transfer-config '{"kv_connector": "HscaptureConnector", "kv_connector_module_path": "hscapture.connector",
+                             "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": "DIR",
+                             "format": "file"}}'
+
+The capture is ``CaptureWorker``'s, as always (hooks, attribution, the contract, the TP check); the connector tells
+the workers to write per-request files (``DIR/<request id>.safetensors``, ``output/staging.rs``) and answers each
+finished request with ``kv_transfer_params = {"hidden_states_path": ...}``. The writing worker holds
+``<path>.lock`` from the step in which the request's prompt completes — before vLLM can answer it — until the file
+is renamed into place, so a client that waits for the lock (speculators does) reads a whole file. A capture that
+fails stops the engine, so the requests in flight get an error response.
+
+``kv_connector_extra_config`` keys: ``shared_storage_path`` (required), ``format`` (``file``: the model's or the
+store dtype; ``fp8``), and, as shorter spellings of ``additional_config["hscapture"]``, ``layers``,
+``convention`` and ``dtype``. Nothing of the KV cache is read or written: this connector only carries the
+contract.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from . import _native
+
+NAME = "HscaptureConnector"
+FORMATS = {"file": "hscapture", "hscapture": "hscapture", "fp8": "fp8"}
+# extra-config keys that are additional_config["hscapture"] settings too (the shorter spelling)
+SETTINGS = ("layers", "convention", "dtype")
+KEYS = {"shared_storage_path", "format", *SETTINGS}
+
+
+def settings(vllm_config: Any) -> dict | None:
+    """The connector's settings of ``vllm_config`` (None unless this connector is configured), checked."""
+    from .errors import ConfigError
+
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    if kv is None or getattr(kv, "kv_connector", None) != NAME:
+        return None
+    extra = dict(getattr(kv, "kv_connector_extra_config", None) or {})
+    where = 'kv_transfer_config["kv_connector_extra_config"]'
+    unknown = set(extra) - KEYS
+    if unknown:
+        raise ConfigError(f"{where} has unknown keys {sorted(unknown)}; {NAME} takes {sorted(KEYS)}")
+    path = extra.get("shared_storage_path")
+    if not isinstance(path, str) or not path.strip():
+        raise ConfigError(
+            f'{where}["shared_storage_path"] is {path!r}; expected the directory the per-request files are written to '
+            "(a path the client sees too)"
+        )
+    fmt = extra.get("format", "file")
+    if fmt not in FORMATS:
+        raise ConfigError(f'{where}["format"] is {fmt!r}; expected "file" (the states as captured) or "fp8"')
+    return {"out": path, "format": FORMATS[fmt], **{k: extra[k] for k in SETTINGS if k in extra}}
+
+
+def hidden_states_path(out: str, request_id: str) -> str:
+    """Where the workers write request ``request_id``'s sample (the same name the Rust sink gives it)."""
+    return os.path.join(out, _native.staged_file_name(request_id))
+
+
+class HscaptureConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        found = settings(vllm_config)
+        if found is None:  # configured under another name: nothing this class can serve
+            from .errors import ConfigError
+
+            raise ConfigError(f"{type(self).__name__} is configured as {vllm_config.kv_transfer_config.kv_connector!r}")
+        self.out = found["out"]
+        if role == KVConnectorRole.SCHEDULER:
+            from .early_check import check
+
+            check(vllm_config)  # the capture must be set up (a worker class that captures, valid settings)
+
+    # -- the scheduler side ------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False  # nothing is loaded: every prompt token is computed (and captured)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        pass
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return KVConnectorMetadata()  # the workers read the scheduler output itself
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
+        """The answer's ``kv_transfer_params``: where the request's states are (the file is whole once its lock,
+        held from the step the prompt completed in, is released)."""
+        return False, {"hidden_states_path": hidden_states_path(self.out, request.request_id)}
+
+    # -- the worker side: nothing of the KV cache moves -----------------------------------------------
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass

@@ -118,7 +118,8 @@ def main() -> None:
     ap.add_argument(
         "--modes",
         default="plain,hscapture,vllm,python",
-        help="also: hscapture_inline, hscapture_serial, hscapture_durable, plain_compiled, "
+        help="also: hscapture_fp8 (fp8 files, quantized on the GPU), hscapture_fp8_host (quantized in the writer "
+        "threads), hscapture_inline, hscapture_serial, hscapture_durable, plain_compiled, "
         "hscapture_compiled (torch.compile without CUDA graphs), plain_graphs (with them)",
     )
     ap.add_argument("--prompts", type=int, default=128)
@@ -175,7 +176,8 @@ def main() -> None:
                 tail = f"; waiting for files after the last step {res['drains'][k]:.3f} s{split}"
             print(
                 f"[{name}/{mode}] {res['tokens'] / res['seconds']:,.0f} tok/s (rounds {', '.join(f'{x:.2f}' for x in res['rounds'])} s{tail}; "
-                f"{res['bytes'] / 2**30:.2f} GiB on disk{'; path ' + res['device_path'] if 'device_path' in res else ''}; "
+                f"{res['bytes'] / 2**30:.2f} GiB on disk ({res['bytes'] / (res['tokens'] * len(res['rounds']) + args.batch * args.length):,.0f} B/token)"
+                f"{'; path ' + res['device_path'] if 'device_path' in res else ''}; "
                 f"process {time.perf_counter() - t:.0f} s)",
                 flush=True,
             )

@@ -47,6 +47,8 @@ if __name__ == "__main__":
         os.environ["HSCAPTURE_ASSEMBLY"] = "inline"
     if mode == "hscapture_serial":  # each device step collected when the next begins, as before the overlap
         os.environ["HSCAPTURE_DEVICE_OVERLAP"] = "0"
+    if mode == "hscapture_fp8_host":  # fp8 files quantized in the writer threads instead of on the GPU
+        os.environ["HSCAPTURE_FP8_ON_DEVICE"] = "0"
     if mode.startswith("hscapture"):
         kw["worker_cls"] = "hscapture.worker.CaptureWorker"
         kw["additional_config"] = {
@@ -56,6 +58,7 @@ if __name__ == "__main__":
                 "out": out,
                 "durable": mode == "hscapture_durable",
                 "writer_queue": 64,
+                **({"format": "fp8"} if mode.startswith("hscapture_fp8") else {}),
             }
         }
         if os.environ.get("HSBENCH_WRITERS"):  # default: hscapture's own (one thread per core, 4 to 16)

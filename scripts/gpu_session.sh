@@ -25,6 +25,9 @@ case "$what" in
     cp -r ../shared/gpu/vllm-0.23 .gpu/vllm-0.23
     .venv/bin/maturin build --release -q -o .gpu/stage/whl
     .venv/bin/pip download -q --no-deps -d .gpu/stage/whl pytest==8.4.2 pluggy iniconfig packaging pygments
+    # speculators' fp8 quantizer (one file) for the fp8 kernel's bit-for-bit test.
+    mkdir -p .gpu/stage/spec/speculators-0.9.0/hs_connectors
+    cp .venv/speculators-0.9.0/hs_connectors/fp8_utils.py .gpu/stage/spec/speculators-0.9.0/hs_connectors/
     du -sh .gpu/stage .gpu/vllm-0.23
     ;;
   install)
@@ -33,6 +36,7 @@ case "$what" in
   run)
     parts=${2:-tests,bench}
     pip install -q --no-index --no-deps --target /tmp/site .gpu/stage/whl/*.whl
+    export HSCAPTURE_SPECULATORS_ROOT=$PWD/.gpu/stage/spec
     export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn HF_HUB_OFFLINE=1
     out=${OUT:-/tmp/out}
     mkdir -p "$out"

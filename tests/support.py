@@ -17,8 +17,10 @@ def venv_dir() -> Path:
 
 
 def speculators_path(version: str) -> Path | None:
-    """Where scripts/setup.sh installed speculators ``version`` (``--no-deps``, its own folder)."""
-    p = venv_dir() / f"speculators-{version}"
+    """Where scripts/setup.sh installed speculators ``version`` (``--no-deps``, its own folder), or the folder
+    ``HSCAPTURE_SPECULATORS_ROOT`` names (the GPU machine's staged copy)."""
+    root = os.environ.get("HSCAPTURE_SPECULATORS_ROOT")
+    p = (Path(root) if root else venv_dir()) / f"speculators-{version}"
     return p if p.is_dir() else None
 
 

@@ -71,3 +71,20 @@ class _NaNInSample1(WorkerCapture):
 
 class NaNWorker(CaptureWorker):
     capture_cls = _NaNInSample1
+
+
+MARKER = 1000  # a prompt starting with this token gets a NaN in its rows (NaNInMarkedPromptWorker)
+
+
+class _NaNInMarkedPrompt(_NaNInSample1):
+    """As _NaNInSample1, for the request whose prompt starts with MARKER (a server has no sample indices)."""
+
+    def begin(self, scheduler_output):
+        WorkerCapture.begin(self, scheduler_output)
+        for r in scheduler_output.scheduled_new_reqs:
+            if list(r.prompt_token_ids or [])[:1] == [MARKER]:
+                self._poisoned = r.req_id
+
+
+class NaNInMarkedPromptWorker(CaptureWorker):
+    capture_cls = _NaNInMarkedPrompt

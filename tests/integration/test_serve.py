@@ -5,98 +5,32 @@ id, atomically, and `records.jsonl` (the journal) lists each file once it is com
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 from helpers import prompts
+from server import Server
 
 from hscapture import load_sample
 
 pytestmark = pytest.mark.integration
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
-
-
 def test_vllm_serve_captures_each_request(tmp_path, tiny_model):
     model = tiny_model("llama", "float32")
-    out, port = tmp_path / "online", _free_port()
+    out = tmp_path / "online"
     cfg = {"hscapture": {"layers": [0, 2], "convention": "after", "out": str(out), "durable": True}}
-    vllm_cli = Path(sys.executable).with_name("vllm")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "TORCHINDUCTOR_VEC_ISA_OK": "1"}
-    log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(
-        [
-            str(vllm_cli),
-            "serve",
-            model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--no-enable-prefix-caching",
-            "--max-model-len",
-            "128",
-            "--max-num-batched-tokens",
-            "32",
-            "--worker-cls",
-            "hscapture.worker.CaptureWorker",
-            "--additional-config",
-            json.dumps(cfg),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 240
-        while True:
-            try:
-                urllib.request.urlopen(base + "/health", timeout=5)
-                break
-            except OSError:
-                if server.poll() is not None or time.time() > deadline:
-                    pytest.fail("the server did not start:\n" + (tmp_path / "server.log").read_text()[-3000:])
-                time.sleep(2)
-        ps = prompts(seed=9, lengths=(5, 40, 77))  # 40 and 77 tokens span several 32-token steps
-        ids = []
-        for p in ps:
-            r = _post(base + "/v1/completions", {"model": model, "prompt": p, "max_tokens": 1})
-            ids.append(r["id"])
-        journal = out / "records.jsonl"
+    args = ["--dtype", "float32", "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "128"]
+    args += ["--max-num-batched-tokens", "32", "--worker-cls", "hscapture.worker.CaptureWorker"]
+    ps = prompts(seed=9, lengths=(5, 40, 77))  # 40 and 77 tokens span several 32-token steps
+    journal = out / "records.jsonl"
+    with Server(tmp_path, model, *args, "--additional-config", json.dumps(cfg)) as server:
+        ids = [server.complete(p)["id"] for p in ps]
         deadline = time.time() + 60
-        while not journal.exists() or len(journal.read_text().splitlines()) < 1 + len(
-            ps
-        ):  # the identity, then a line each
+        # The identity, then a line each.
+        while not journal.exists() or len(journal.read_text().splitlines()) < 1 + len(ps):
             assert time.time() < deadline, f"journal has {journal.read_text() if journal.exists() else 'nothing'}"
             time.sleep(0.5)
-    finally:
-        os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
     identity, *records = [json.loads(x) for x in journal.read_text().splitlines()]
     assert identity["identity"]["layer_ids"] == [0, 2] and identity["identity"]["format"] == "hscapture"
     assert len(records) == len(ps) and all("request_id" in r and "index" not in r for r in records)

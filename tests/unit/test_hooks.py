@@ -43,6 +43,57 @@ def test_finds_the_layers_list():
         find_decoder_layers(Model(), 5)
 
 
+class _Text(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(4, 2)
+        self.model.layers = torch.nn.ModuleList([Layer(k) for k in range(n)])
+
+
+class _Vision(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Identity() for _ in range(n)])
+
+
+class Qwen2VL(torch.nn.Module):
+    """vLLM's Qwen2-VL layout: `visual.blocks` and `language_model.model.layers`, here of the same depth."""
+
+    def __init__(self, n, interface=True):
+        super().__init__()
+        self.visual = _Vision(n)
+        self.language_model = _Text(n)
+        if interface:
+            self.get_language_model = lambda: self.language_model
+
+
+class KimiK25(torch.nn.Module):
+    """Kimi-K2.5's layout: `vision_tower.encoder.blocks` beside `language_model.model.layers`."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.vision_tower = torch.nn.Module()
+        self.vision_tower.encoder = _Vision(n)
+        self.language_model = _Text(n)
+
+    def get_language_model(self):
+        return self.language_model
+
+
+@pytest.mark.parametrize(
+    "model", [Qwen2VL(4), Qwen2VL(4, interface=False), KimiK25(4)], ids=["qwen2vl", "no-api", "kimi"]
+)
+def test_a_vision_tower_of_the_same_depth_is_not_taken_for_the_text_model(model):
+    name, layers = find_decoder_layers(model, 4)
+    assert name == "language_model.model.layers" and layers is model.language_model.model.layers
+
+
+def test_the_text_model_s_depth_is_looked_for_inside_the_text_model():
+    with pytest.raises(CompatibilityError, match="its text model 'language_model'"):
+        find_decoder_layers(KimiK25(4), 6)
+
+
 def test_points_read_sum_of_outputs_and_embeddings():
     m = Model()
     got = {}

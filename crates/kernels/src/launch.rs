@@ -1,4 +1,4 @@
-//! The capture kernel on a CUDA device: compiled from `capture.cu` with NVRTC when a worker starts
+//! The capture kernels on a CUDA device (`capture.cu`, and `fp8.cu` appended to it): compiled with NVRTC when a worker starts
 //! (never inside a forward or a CUDA-graph capture), loaded into the device's primary context (the one
 //! PyTorch uses), and launched on a raw stream handle — PyTorch's current stream, which `cudarc`'s
 //! safe API cannot adopt, so this module uses its `result` layer and says so.
@@ -17,9 +17,10 @@ use cudarc::driver::{result as cu, sys};
 use crate::cpu::KernelError;
 use crate::dtype::DType;
 
-/// The kernel's source, also shipped for inspection.
-pub const SOURCE: &str = include_str!("capture.cu");
+/// The kernels' source, also shipped for inspection (`fp8.cu` uses `capture.cu`'s helpers).
+pub const SOURCE: &str = concat!(include_str!("capture.cu"), "\n", include_str!("fp8.cu"));
 const NAME: &str = "hscapture_capture_rows";
+const NAME_FP8: &str = "hscapture_fp8_quantize";
 /// Threads per block (a multiple of 32: the reduction uses full-warp shuffles).
 pub const BLOCK: u32 = 256;
 
@@ -35,7 +36,11 @@ pub fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, KernelError>) -> Res
     })
 }
 
-/// The kernel's PTX for `arch`, compiled once per process (at the first worker start-up).
+/// The kernels' PTX for `arch` (`compute_90`), compiled once per process (at the first worker start-up).
+pub fn ptx(arch: &str) -> Result<String, KernelError> {
+    guarded("NVRTC", || ptx_for(arch))
+}
+
 fn ptx_for(arch: &str) -> Result<String, KernelError> {
     static CACHE: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
     let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
@@ -86,11 +91,28 @@ pub struct LaunchArgs {
     pub nonfinite: u64,
 }
 
+/// Raw device pointers and sizes of one fp8 quantization (see `fp8.cu`).
+#[derive(Clone, Copy, Debug)]
+pub struct Fp8Args {
+    /// The arena: `slots` blocks of `slot_stride` elements in `dtype`, row `d` of a block at `d * width`.
+    pub arena: u64,
+    pub dtype: DType,
+    pub slot_stride: i64,
+    pub slots: i32,
+    pub n_rows: i32,
+    pub width: i32,
+    /// One byte per arena element, same layout.
+    pub codes: u64,
+    /// `n_rows` f32.
+    pub scales: u64,
+}
+
 pub struct CaptureKernel {
     dev: sys::CUdevice,
     ctx: sys::CUcontext,
     module: sys::CUmodule,
     func: sys::CUfunction,
+    fp8: sys::CUfunction,
     pub arch: String,
 }
 
@@ -126,7 +148,10 @@ impl CaptureKernel {
             let name = CString::new(NAME).map_err(|e| err("kernel name", e))?;
             // SAFETY: `module` was just loaded.
             let func = unsafe { cu::module::get_function(module, name) }.map_err(|e| err("cuModuleGetFunction", e))?;
-            Ok(CaptureKernel { dev, ctx, module, func, arch })
+            let name = CString::new(NAME_FP8).map_err(|e| err("kernel name", e))?;
+            // SAFETY: as above.
+            let fp8 = unsafe { cu::module::get_function(module, name) }.map_err(|e| err("cuModuleGetFunction", e))?;
+            Ok(CaptureKernel { dev, ctx, module, func, fp8, arch })
         })
     }
 
@@ -167,6 +192,35 @@ impl CaptureKernel {
             // SAFETY: the parameters match the kernel's signature one for one and outlive the call
             // (the driver copies them at launch); the memory contract is the caller's.
             unsafe { cu::launch_kernel(self.func, (a.n_rows as u32, 1, 1), (BLOCK, 1, 1), 0, stream as sys::CUstream, &mut params) }
+                .map_err(|e| err("cuLaunchKernel", e))
+        })
+    }
+
+    /// Enqueues one fp8 quantization on `stream`.
+    ///
+    /// # Safety
+    /// Every pointer in `a` must be device memory of this context holding the extents `Fp8Args` describes, and
+    /// stay allocated until the launch has run on `stream`.
+    pub unsafe fn launch_fp8(&self, a: &Fp8Args, stream: u64) -> Result<(), KernelError> {
+        if a.n_rows <= 0 {
+            return Ok(());
+        }
+        let (mut arena, mut dt, mut stride, mut slots) = (a.arena, dtype_code(a.dtype), a.slot_stride, a.slots);
+        let (mut n, mut w, mut codes, mut scales) = (a.n_rows, a.width, a.codes, a.scales);
+        let mut params: [*mut c_void; 8] = [
+            &mut arena as *mut u64 as *mut c_void,
+            &mut dt as *mut i32 as *mut c_void,
+            &mut stride as *mut i64 as *mut c_void,
+            &mut slots as *mut i32 as *mut c_void,
+            &mut n as *mut i32 as *mut c_void,
+            &mut w as *mut i32 as *mut c_void,
+            &mut codes as *mut u64 as *mut c_void,
+            &mut scales as *mut u64 as *mut c_void,
+        ];
+        guarded("launching the fp8 kernel", || {
+            // SAFETY: the parameters match the kernel's signature one for one and outlive the call (the driver
+            // copies them at launch); the memory contract is the caller's.
+            unsafe { cu::launch_kernel(self.fp8, (a.n_rows as u32, 1, 1), (BLOCK, 1, 1), 0, stream as sys::CUstream, &mut params) }
                 .map_err(|e| err("cuLaunchKernel", e))
         })
     }

@@ -129,6 +129,7 @@ fn main() {
                 width: WIDTH,
                 dtype: DType::BF16,
                 loss_mask: None,
+                scales: None,
             })
             .collect();
         match run_writer(&dir.join(format!("w{t}")), t, samples) {

@@ -39,6 +39,8 @@ pub struct OutputSettings {
     pub durable: bool,
     /// Per-request files for a collecting client (`staging.rs`) instead of a capture directory.
     pub staging: bool,
+    /// Tests only: each per-request file's write is held back this long (a slow disk).
+    pub staging_delay: std::time::Duration,
 }
 
 /// What a step's accounting reports to the caller.
@@ -61,6 +63,8 @@ enum Output {
 pub struct WorkerSession {
     session: Session,
     output: Output,
+    /// The format's name (`format.rs`).
+    format: &'static str,
     aborted: Vec<Aborted>,
 }
 
@@ -84,6 +88,7 @@ impl WorkerSession {
         ensure!(out.threads > 0, Config, "writer threads: expected at least 1, found 0");
         ensure!(out.queue > 0, Config, "writer queue: expected at least 1 sample, found 0");
         let format = by_name(&out.format, out.compress)?;
+        let format_name = format.name();
         let failure = Failure::new();
         let id = identity(&cfg, &out, format.as_ref());
         let assemble = cfg.assemble;
@@ -93,7 +98,7 @@ impl WorkerSession {
             (true, None) => Output::Memory(Vec::new()),
             (true, Some(root)) => {
                 let layout = if out.staging {
-                    let locks = Arc::new(Locks::new(root));
+                    let locks = Arc::new(Locks::new(root, out.staging_delay));
                     let held = Arc::clone(&locks);
                     session.set_completion_hook(Arc::new(move |req: &str| held.hold(req)));
                     Layout::Staging(locks)
@@ -105,7 +110,7 @@ impl WorkerSession {
                 Output::Files(Writer::start(sink, wcfg, failure)?)
             }
         };
-        Ok(WorkerSession { session, output, aborted: Vec::new() })
+        Ok(WorkerSession { session, output, format: format_name, aborted: Vec::new() })
     }
 
     pub fn session(&self) -> &Session {
@@ -129,6 +134,14 @@ impl WorkerSession {
 
     /// Captures device tensors through `device` from now on (see [`Session::set_device`]).
     pub fn set_device(&mut self, device: Box<dyn DeviceBackend>, overlap: bool) -> CoreResult<()> {
+        ensure!(
+            !device.quantizes() || (self.format == "fp8" && matches!(self.output, Output::Files(_))),
+            Config,
+            "the device quantizes to fp8, but this session stores the {} format{}: quantize on the device only for \
+             the fp8 format's files",
+            self.format,
+            if matches!(self.output, Output::Files(_)) { "" } else { " (and writes no files)" }
+        );
         self.session.set_device(device, overlap)
     }
 

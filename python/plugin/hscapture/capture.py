@@ -54,6 +54,7 @@ class WorkerCapture:
         self.model_dtype = out_dtype
         self.rpc = RpcState(self)  # speculators' RPC surface: the driver's view of each step
         self.device_path = "none"
+        self.fp8_on_device = False  # the device path quantizes each step for the fp8 format (wiring.py)
         self.overlap = False
         self.handles: list[Any] = []
         self.traced_points: tuple[int, ...] | None = None  # under torch.compile: each tap's capture point

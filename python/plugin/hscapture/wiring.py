@@ -65,6 +65,7 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         compress=cfg.compress or None,
         model=cfg.model_name or model,
         staging=cfg.staging,
+        staging_delay_ms=max(0, envs.get("HSCAPTURE_TEST_STAGING_DELAY_MS")) if cfg.staging else 0,
     )
     if writer and cfg.out is None:
         log.warning(
@@ -127,7 +128,11 @@ def enable_device(cap: Any, vc: Any) -> str:
     try:
         # The assembler's ring (ranks that only verify need one buffer), plus the step in flight.
         ring = ((assembly_ring() if cap.session.background else 0) or 1) + int(overlap)
-        arch = cap.session.enable_device(torch.cuda.current_device(), rows, ring, overlap)
+        # fp8 files from the device path: quantized on the GPU after each step's last layer (codes and scales cross
+        # PCIe), on the rank that writes them.
+        fp8 = bool(cap.writer and cap.cfg.format == "fp8" and cap.cfg.out and envs.get("HSCAPTURE_FP8_ON_DEVICE"))
+        arch = cap.session.enable_device(torch.cuda.current_device(), rows, ring, overlap, fp8)
+        cap.fp8_on_device = fp8
     except HscaptureError as e:
         if mode == "required":
             raise
@@ -136,13 +141,14 @@ def enable_device(cap: Any, vc: Any) -> str:
     cap.overlap = overlap
     log.info(
         "hscapture: CUDA capture kernel built for %s; device arena %.1f MiB for %d rows; %d pinned host "
-        "buffer(s), assembly %s, steps %s",
+        "buffer(s), assembly %s, steps %s%s",
         arch,
         cap.session.device_bytes / 2**20,
         rows,
         ring,
         "on the assembler thread" if cap.session.background else "inline",
         "overlapped" if overlap else "collected when the next begins",
+        ", fp8 quantized on the device" if fp8 else "",
     )
     return "device"
 

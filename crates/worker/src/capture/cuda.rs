@@ -16,6 +16,10 @@
 //!   case the caller's stream changes) the caller's stream waits on the device for the event of the
 //!   step before (its copies, and those of every step before it, which the copy stream ran first).
 //!   So the next step may begin, and be launched, while the previous one's copies are in flight.
+//! - fp8 (`quantize`): the arena is quantized on the device after the step's last slot (`end_step`, on the
+//!   stream of the step's captures: per-token scales over all slots, `fp8.cu`) into a code arena of one byte per
+//!   value and a scale per row; the copies move codes and scales (half of bf16's bytes) instead of the rows, so
+//!   they wait for the last slot instead of overlapping each slot.
 
 use std::ffi::c_void;
 
@@ -25,7 +29,7 @@ use crate::capture::device::{DeviceBackend, PinnedStep};
 use crate::capture::rows::StepRows;
 use crate::capture::tensor::{Device, TensorDesc};
 use crate::{bail, core_err, ensure, error::CoreResult};
-use hscapture_kernels::launch::{guarded, CaptureKernel, LaunchArgs};
+use hscapture_kernels::launch::{guarded, CaptureKernel, Fp8Args, LaunchArgs};
 use hscapture_kernels::{DType, KernelError, RowRun};
 
 fn kerr(e: KernelError) -> crate::CoreError {
@@ -36,12 +40,14 @@ fn drv<T>(what: &str, r: Result<T, cudarc::driver::DriverError>) -> Result<T, Ke
     r.map_err(|e| KernelError(format!("{what}: {e:?}")))
 }
 
-/// One pinned host buffer of the ring (raw allocations; freed by the device's Drop).
+/// One pinned host buffer of the ring (raw allocations; freed by the device's Drop): rows (or, quantizing, codes),
+/// and with fp8 a scale per row.
 #[derive(Clone, Copy)]
 struct Pinned {
     data: *mut u8,
     sums: *mut u64,
     bad: *mut u32,
+    scales: *mut f32,
 }
 
 pub struct CudaDevice {
@@ -54,6 +60,12 @@ pub struct CudaDevice {
     d_sums: sys::CUdeviceptr,
     d_bad: sys::CUdeviceptr,
     d_src: sys::CUdeviceptr,
+    /// fp8: the code arena and the scales (0 otherwise).
+    d_codes: sys::CUdeviceptr,
+    d_scales: sys::CUdeviceptr,
+    quantize: bool,
+    /// The stream the step's captures ran on (the fp8 kernel follows them there).
+    stream: u64,
     hosts: Vec<Pinned>,
     free: Vec<usize>,
     /// The host buffer of the step being captured (taken by `reset`, queued by `end_step`).
@@ -84,6 +96,7 @@ pub struct CudaPinnedStep {
     ring_slot: usize,
     buf: Pinned,
     capacity: usize,
+    /// Bytes of one row as the host buffer holds it (codes: `width`).
     row_bytes: usize,
 }
 
@@ -109,6 +122,13 @@ impl StepRows for CudaPinnedStep {
         // SAFETY: as in `row`, for the slots*capacity sums.
         unsafe { *self.buf.sums.add(slot * self.capacity + row) }
     }
+    fn scale(&self, row: usize) -> Option<f32> {
+        if self.buf.scales.is_null() || row >= self.capacity {
+            return None;
+        }
+        // SAFETY: a quantizing device allocates `capacity` scales per buffer; the step's copies completed.
+        Some(unsafe { *self.buf.scales.add(row) })
+    }
 }
 
 impl PinnedStep for CudaPinnedStep {
@@ -122,8 +142,17 @@ impl PinnedStep for CudaPinnedStep {
 
 impl CudaDevice {
     /// Loads the kernel on `ordinal`, allocates the arena for `capacity` rows per slot and `ring`
-    /// pinned host buffers of the same size.
-    pub fn new(ordinal: i32, slots: usize, width: usize, dtype: DType, capacity: usize, ring: usize) -> CoreResult<CudaDevice> {
+    /// pinned host buffers of the same size; with `quantize`, the fp8 code arena and scales, and host buffers that
+    /// hold those.
+    pub fn new(
+        ordinal: i32,
+        slots: usize,
+        width: usize,
+        dtype: DType,
+        capacity: usize,
+        ring: usize,
+        quantize: bool,
+    ) -> CoreResult<CudaDevice> {
         ensure!(
             capacity > 0 && slots > 0 && width > 0,
             Config,
@@ -133,6 +162,8 @@ impl CudaDevice {
         let kernel = CaptureKernel::load(ordinal).map_err(kerr)?;
         let row_bytes = width * dtype.size();
         let (n_data, n_rows) = (slots * capacity * row_bytes, slots * capacity);
+        let n_codes = slots * capacity * width;
+        let n_host = if quantize { n_codes } else { n_data };
         let mut dev = CudaDevice {
             kernel,
             slots,
@@ -143,6 +174,10 @@ impl CudaDevice {
             d_sums: 0,
             d_bad: 0,
             d_src: 0,
+            d_codes: 0,
+            d_scales: 0,
+            quantize,
+            stream: 0,
             hosts: Vec::with_capacity(ring),
             free: Vec::with_capacity(ring),
             cur: None,
@@ -163,11 +198,19 @@ impl CudaDevice {
                 dev.d_sums = drv("cuMemAlloc sums", cu::malloc_sync(n_rows * 8))?;
                 dev.d_bad = drv("cuMemAlloc counts", cu::malloc_sync(n_rows * 4))?;
                 dev.d_src = drv("cuMemAlloc rows", cu::malloc_sync(capacity * 4))?;
+                if quantize {
+                    dev.d_codes = drv("cuMemAlloc codes", cu::malloc_sync(n_codes))?;
+                    dev.d_scales = drv("cuMemAlloc scales", cu::malloc_sync(capacity * 4))?;
+                }
                 for i in 0..ring {
-                    let data = drv("cuMemHostAlloc", cu::malloc_host(n_data, 0))? as *mut u8;
-                    dev.hosts.push(Pinned { data, sums: std::ptr::null_mut(), bad: std::ptr::null_mut() });
+                    let data = drv("cuMemHostAlloc", cu::malloc_host(n_host, 0))? as *mut u8;
+                    let (sums, bad, scales) = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
+                    dev.hosts.push(Pinned { data, sums, bad, scales });
                     dev.hosts[i].sums = drv("cuMemHostAlloc", cu::malloc_host(n_rows * 8, 0))? as *mut u64;
                     dev.hosts[i].bad = drv("cuMemHostAlloc", cu::malloc_host(n_rows * 4, 0))? as *mut u32;
+                    if quantize {
+                        dev.hosts[i].scales = drv("cuMemHostAlloc", cu::malloc_host(capacity * 4, 0))? as *mut f32;
+                    }
                     dev.free.push(i);
                 }
                 dev.copy_stream = drv("cuStreamCreate", cu::stream::create(cu::stream::StreamKind::NonBlocking))?;
@@ -188,8 +231,54 @@ impl CudaDevice {
         self.width * self.dtype.size()
     }
 
+    /// Bytes of one row in a host buffer.
+    fn host_row_bytes(&self) -> usize {
+        if self.quantize {
+            self.width
+        } else {
+            self.row_bytes()
+        }
+    }
+
     pub fn arch(&self) -> &str {
         &self.kernel.arch
+    }
+
+    /// fp8: quantizes the step's arena on the stream of its captures (after the last slot), then copies the codes
+    /// and scales to `host` on the copy stream.
+    fn quantize_step(&self, host: Pinned) -> CoreResult<()> {
+        let (n, w, cap) = (self.rows, self.width, self.capacity);
+        let args = Fp8Args {
+            arena: self.d_data,
+            dtype: self.dtype,
+            slot_stride: (cap * w) as i64,
+            slots: self.slots as i32,
+            n_rows: n as i32,
+            width: w as i32,
+            codes: self.d_codes,
+            scales: self.d_scales,
+        };
+        // SAFETY: the arena, codes and scales are this device's allocations of `slots × capacity × width` elements
+        // and `capacity` scales; the launch follows the step's captures on their stream.
+        unsafe { self.kernel.launch_fp8(&args, self.stream) }.map_err(kerr)?;
+        let (ev, cs, s) = (self.slot_done[0], self.copy_stream, self.stream as sys::CUstream);
+        guarded("enqueueing the fp8 copies to host", || {
+            // SAFETY: the copy stream waits for the fp8 kernel through `ev` (slot 0's event, free again: its copies
+            // were enqueued already); the pinned buffer holds `slots × capacity × width` codes and `capacity` scales.
+            unsafe {
+                drv("cuEventRecord", cu::event::record(ev, s))?;
+                drv("cuStreamWaitEvent", cu::stream::wait_event(cs, ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT))?;
+                for slot in 0..self.slots {
+                    let base = slot * cap * w;
+                    let hd = std::slice::from_raw_parts_mut(host.data.add(base), n * w);
+                    drv("cuMemcpyDtoHAsync", cu::memcpy_dtoh_async(hd, self.d_codes + base as u64, cs))?;
+                }
+                let hs = std::slice::from_raw_parts_mut(host.scales, n);
+                drv("cuMemcpyDtoHAsync", cu::memcpy_dtoh_async(hs, self.d_scales, cs))?;
+            }
+            Ok(())
+        })
+        .map_err(kerr)
     }
 }
 
@@ -200,7 +289,13 @@ impl DeviceBackend for CudaDevice {
 
     fn allocated(&self) -> (usize, usize) {
         let n = self.slots * self.capacity;
-        (n * (self.row_bytes() + 12) + self.capacity * 4, self.hosts.len() * n * (self.row_bytes() + 12))
+        let fp8 = if self.quantize { (n * self.width + self.capacity * 4, self.capacity * 4) } else { (0, 0) };
+        let device = n * (self.row_bytes() + 12) + self.capacity * 4 + fp8.0;
+        (device, self.hosts.len() * (n * (self.host_row_bytes() + 12) + fp8.1))
+    }
+
+    fn quantizes(&self) -> bool {
+        self.quantize
     }
 
     fn free_host(&self) -> usize {
@@ -244,6 +339,7 @@ impl DeviceBackend for CudaDevice {
         };
         self.kernel.bind().map_err(kerr)?;
         let s = stream as sys::CUstream;
+        self.stream = stream;
         let rb = self.row_bytes();
         let Some(host) = self.cur.map(|i| self.hosts[i]) else {
             bail!(Compatibility, "slot {slot} captured before the device step was reset");
@@ -288,15 +384,17 @@ impl DeviceBackend for CudaDevice {
             return Ok(());
         }
         let ev = self.slot_done[slot];
-        let (cs, n) = (self.copy_stream, self.rows);
+        let (cs, n, quantize) = (self.copy_stream, self.rows, self.quantize);
         guarded("enqueueing the copy to host", || {
             // SAFETY: the pinned buffer (taken from the free list by `reset`) has the arena's layout;
             // the copy stream waits for the kernel through `ev`; nobody reads it before `wait`.
             unsafe {
                 drv("cuEventRecord", cu::event::record(ev, s))?;
                 drv("cuStreamWaitEvent", cu::stream::wait_event(cs, ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT))?;
-                let hd = std::slice::from_raw_parts_mut(host.data.add(base * rb), n * rb);
-                drv("cuMemcpyDtoHAsync", cu::memcpy_dtoh_async(hd, self.d_data + (base * rb) as u64, cs))?;
+                if !quantize {
+                    let hd = std::slice::from_raw_parts_mut(host.data.add(base * rb), n * rb);
+                    drv("cuMemcpyDtoHAsync", cu::memcpy_dtoh_async(hd, self.d_data + (base * rb) as u64, cs))?;
+                }
                 let hs = std::slice::from_raw_parts_mut(host.sums.add(base), n);
                 drv("cuMemcpyDtoHAsync", cu::memcpy_dtoh_async(hs, self.d_sums + (base * 8) as u64, cs))?;
                 let hb = std::slice::from_raw_parts_mut(host.bad.add(base), n);
@@ -312,6 +410,9 @@ impl DeviceBackend for CudaDevice {
             bail!(Compatibility, "a device step ended before it was reset");
         };
         self.kernel.bind().map_err(kerr)?;
+        if self.quantize && self.rows > 0 {
+            self.quantize_step(self.hosts[i])?;
+        }
         let (ev, cs) = (self.copies_done[i], self.copy_stream);
         // SAFETY: both handles were created in `new` and are alive.
         guarded("cuEventRecord", || unsafe { drv("cuEventRecord", cu::event::record(ev, cs)) }).map_err(kerr)?;
@@ -337,7 +438,7 @@ impl DeviceBackend for CudaDevice {
             self.free.push(i);
             return Err(kerr(e));
         }
-        Ok(Box::new(CudaPinnedStep { ring_slot: i, buf: self.hosts[i], capacity: self.capacity, row_bytes: self.row_bytes() }))
+        Ok(Box::new(CudaPinnedStep { ring_slot: i, buf: self.hosts[i], capacity: self.capacity, row_bytes: self.host_row_bytes() }))
     }
 
     fn recycle(&mut self, buf: Box<dyn PinnedStep>) -> CoreResult<()> {
@@ -372,13 +473,13 @@ impl Drop for CudaDevice {
                 if !self.copy_stream.is_null() {
                     let _ = cu::stream::destroy(self.copy_stream);
                 }
-                for d in [self.d_data, self.d_sums, self.d_bad, self.d_src] {
+                for d in [self.d_data, self.d_sums, self.d_bad, self.d_src, self.d_codes, self.d_scales] {
                     if d != 0 {
                         let _ = cu::free_sync(d);
                     }
                 }
                 for h in &self.hosts {
-                    for p in [h.data as *mut c_void, h.sums as *mut c_void, h.bad as *mut c_void] {
+                    for p in [h.data as *mut c_void, h.sums as *mut c_void, h.bad as *mut c_void, h.scales as *mut c_void] {
                         if !p.is_null() {
                             let _ = cu::free_host(p);
                         }

@@ -35,6 +35,10 @@ pub trait DeviceBackend: Send + Sync {
     fn free_host(&self) -> usize;
     /// Host buffers in the ring.
     fn ring(&self) -> usize;
+    /// Whether the device quantizes each step to fp8 (its host buffers hold codes and per-row scales).
+    fn quantizes(&self) -> bool {
+        false
+    }
     /// Starts a step of `rows` captured rows per slot, to be computed from the given row runs; takes a
     /// free host buffer (an error if none is). Steps in flight stay in flight.
     fn reset(&mut self, rows: usize, runs: &[RowRun]) -> CoreResult<()>;

@@ -9,6 +9,10 @@ pub trait StepRows {
     fn row(&self, slot: usize, row: usize) -> &[u8];
     fn nonfinite(&self, slot: usize, row: usize) -> u32;
     fn row_sum(&self, slot: usize, row: usize) -> u64;
+    /// fp8 (a quantizing device): row `row`'s scale, its rows being e4m3fn codes (None: rows in the output dtype).
+    fn scale(&self, _row: usize) -> Option<f32> {
+        None
+    }
 }
 
 /// The step checksum over the slots marked present (those this rank holds) of `rows` rows (see

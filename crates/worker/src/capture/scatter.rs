@@ -42,29 +42,45 @@ impl ScatterJob {
     }
 }
 
-/// The sample geometry: slots per row, hidden width, stored dtype.
+/// The sample geometry: slots per row, hidden width, the output dtype, and whether rows arrive quantized (fp8
+/// codes, one byte per value, and a scale per row: a quantizing device's).
 #[derive(Clone, Copy, Debug)]
 pub struct Geometry {
     pub slots: usize,
     pub width: usize,
     pub dtype: DType,
+    pub quantized: bool,
 }
 
 impl Geometry {
     pub fn row_bytes(&self) -> usize {
-        self.width * self.dtype.size()
+        self.width * if self.quantized { 1 } else { self.dtype.size() }
+    }
+
+    /// A request buffer of `tokens` rows: `[tokens, slots, width]` values, then (quantized) `tokens` f32 scales.
+    pub fn sample_bytes(&self, tokens: usize) -> usize {
+        tokens * self.slots * self.row_bytes() + if self.quantized { tokens * 4 } else { 0 }
     }
 }
 
-/// Copies a segment's rows of every slot into its request's buffer.
-fn scatter_segment(seg: &Segment, buf: &mut [u8], rows: &dyn StepRows, slots: usize, rb: usize) {
+/// Copies a segment's rows of every slot into its request's buffer (and, quantized, their scales after them).
+fn scatter_segment(seg: &Segment, buf: &mut [u8], rows: &dyn StepRows, g: Geometry) -> CoreResult<()> {
+    let (slots, rb) = (g.slots, g.row_bytes());
     for k in 0..seg.len {
         let pos = seg.dst_pos + k;
         for s in 0..slots {
             let o = (pos * slots + s) * rb;
             buf[o..o + rb].copy_from_slice(rows.row(s, seg.arena_row + k));
         }
+        if g.quantized {
+            let Some(scale) = rows.scale(seg.arena_row + k) else {
+                crate::bail!(Compatibility, "{}: the step's rows carry no fp8 scales, but the session stores fp8 codes", seg.sample);
+            };
+            let o = seg.prompt_len * slots * rb + pos * 4;
+            buf[o..o + 4].copy_from_slice(&scale.to_le_bytes());
+        }
     }
+    Ok(())
 }
 
 /// Where completed samples go from the scatter threads (the writer's queue).
@@ -80,10 +96,10 @@ struct Work<'a> {
 }
 
 /// A completed request's buffer as a sample: handed to `emit` (None returned) or returned.
-fn finish(g: Geometry, c: Completion, data: Vec<u8>, emit: Option<Emit<'_>>) -> CoreResult<Option<Sample>> {
+fn finish(g: Geometry, c: Completion, mut data: Vec<u8>, emit: Option<Emit<'_>>) -> CoreResult<Option<Sample>> {
     let n = c.token_ids.len();
     ensure!(
-        data.len() == n * g.slots * g.row_bytes(),
+        data.len() == g.sample_bytes(n),
         ShapeContract,
         "{}: assembled {} bytes, expected [{n}, {}, {}] {}",
         c.sample,
@@ -92,6 +108,10 @@ fn finish(g: Geometry, c: Completion, data: Vec<u8>, emit: Option<Emit<'_>>) -> 
         g.width,
         g.dtype
     );
+    let scales = g.quantized.then(|| {
+        let tail = data.split_off(n * g.slots * g.row_bytes());
+        tail.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    });
     let sample = Sample {
         key: c.sample,
         req_id: c.req_id,
@@ -102,6 +122,7 @@ fn finish(g: Geometry, c: Completion, data: Vec<u8>, emit: Option<Emit<'_>>) -> 
         width: g.width,
         dtype: g.dtype,
         loss_mask: c.loss_mask,
+        scales,
     };
     match emit {
         Some(f) => f(sample).map(|()| None),
@@ -111,7 +132,10 @@ fn finish(g: Geometry, c: Completion, data: Vec<u8>, emit: Option<Emit<'_>>) -> 
 
 /// Copies one segment and, if its request is complete, finishes the sample.
 fn work_one(w: &mut Work<'_>, rows: &dyn StepRows, g: Geometry, emit: Option<Emit<'_>>) {
-    scatter_segment(w.seg, &mut w.buf, rows, g.slots, g.row_bytes());
+    if let Err(e) = scatter_segment(w.seg, &mut w.buf, rows, g) {
+        w.out = Some(Err(e));
+        return;
+    }
     if let Some((i, c)) = w.done.take() {
         let data = std::mem::take(&mut w.buf);
         w.out = Some(finish(g, c, data, emit).map(|s| s.map(|s| (i, s))));
@@ -224,7 +248,7 @@ impl Scatter {
             .map(|seg| {
                 let buf = match self.bufs.remove(&seg.req_id) {
                     Some(p) => p.data,
-                    None => self.pool.get(seg.prompt_len * g.slots * g.row_bytes()),
+                    None => self.pool.get(g.sample_bytes(seg.prompt_len)),
                 };
                 Work { seg, buf, done: completing.remove(&seg.req_id), out: None }
             })

@@ -63,7 +63,7 @@ impl Session {
     pub fn with_failure(cfg: SessionConfig, failure: Failure) -> CoreResult<Session> {
         ensure!(cfg.hidden_size > 0, Config, "hidden size must be positive, found 0");
         let pool = Arc::new(BufferPool::new(256));
-        let geo = Geometry { slots: cfg.layers.num_slots(), width: cfg.hidden_size, dtype: cfg.out_dtype };
+        let geo = Geometry { slots: cfg.layers.num_slots(), width: cfg.hidden_size, dtype: cfg.out_dtype, quantized: false };
         Ok(Session {
             slots: SlotMask::new(geo.slots),
             buffers: StepBuffers::new(geo, Arc::clone(&pool), failure.clone()),
@@ -104,6 +104,15 @@ impl Session {
     /// `overlap`, a step begins while the previous device step is still in flight.
     pub fn set_device(&mut self, device: Box<dyn DeviceBackend>, overlap: bool) -> CoreResult<()> {
         ensure!(self.device.is_none() && self.fresh(), Config, "the device path is enabled once, before the first step");
+        if device.quantizes() {
+            ensure!(
+                self.cfg.assemble && self.slots.expected() == self.slots.len(),
+                Config,
+                "fp8 on the device quantizes each token over every layer slot: only on the assembling rank of a \
+                 capture whose slots are all captured there (not across pipeline stages)"
+            );
+            self.buffers.set_quantized()?;
+        }
         self.device = Some(DeviceSteps::new(device, overlap)?);
         Ok(())
     }
@@ -317,6 +326,11 @@ impl Session {
             self.on_device = true;
             return self.slots.fill(slot, &name);
         }
+        ensure!(
+            !self.buffers.quantized(),
+            Compatibility,
+            "{name}: a host tensor in a session whose device quantizes to fp8; every slot must be captured on the device"
+        );
         // SAFETY: forwarded from this function's contract.
         let h = unsafe { hidden.cpu_rows(&name, rows)? };
         let r = match residual {
@@ -393,6 +407,11 @@ impl Session {
     /// of other stages, on a rank that does not assemble).
     pub fn set_absent_slots(&mut self, slots: &[usize]) -> CoreResult<()> {
         ensure!(
+            slots.is_empty() || !self.buffers.quantized(),
+            Config,
+            "slots {slots:?} absent from a session whose device quantizes to fp8 over every slot"
+        );
+        ensure!(
             slots.is_empty() || !self.cfg.assemble,
             Config,
             "the assembling rank must hold every slot; slots {slots:?} would be missing from its samples"
@@ -427,6 +446,10 @@ impl Drop for Session {
 #[cfg(test)]
 #[path = "tests/session.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "tests/quantized.rs"]
+mod quantized;
 
 #[cfg(test)]
 #[path = "tests/fuzz.rs"]

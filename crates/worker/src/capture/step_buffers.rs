@@ -68,6 +68,22 @@ impl StepBuffers {
         Ok(())
     }
 
+    /// Rows arrive as fp8 codes and scales (a quantizing device) from now on: a scatter of that geometry, on the
+    /// same side (inline or its own thread). Only before the first step.
+    pub fn set_quantized(&mut self) -> CoreResult<()> {
+        self.geo.quantized = true;
+        let scatter = Scatter::new(self.geo, Arc::clone(&self.pool));
+        self.scattering = match self.scattering {
+            Scattering::Inline(_) => Scattering::Inline(scatter),
+            Scattering::Background(_) => Scattering::Background(Assembler::start(scatter, self.failure.clone())?),
+        };
+        Ok(())
+    }
+
+    pub fn quantized(&self) -> bool {
+        self.geo.quantized
+    }
+
     pub fn background(&self) -> bool {
         matches!(self.scattering, Scattering::Background(_))
     }

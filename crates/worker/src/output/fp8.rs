@@ -30,9 +30,10 @@ pub struct Quantized {
     pub scales: Vec<f32>,
 }
 
-/// Quantizes `sample`'s states per token over all of its layers and hidden dims.
+/// Quantizes `sample`'s states (in its dtype) per token over all of its layers and hidden dims.
 pub fn quantize(sample: &Sample) -> CoreResult<Quantized> {
     check_sample(sample)?;
+    crate::output::safetensors::refuse_quantized(sample, "fp8 quantizer")?;
     let [rows, slots, width] = sample.shape();
     let per_token = slots * width;
     let mut q = Quantized { codes: vec![0u8; rows * per_token], scales: vec![0f32; rows] };
@@ -40,29 +41,34 @@ pub fn quantize(sample: &Sample) -> CoreResult<Quantized> {
     Ok(q)
 }
 
-/// The parts of a file holding `q` (the quantized states of `sample`) with the given metadata.
-pub fn encode_quantized(sample: &Sample, q: Quantized, metadata: HashMap<String, String>) -> CoreResult<Vec<Cow<'static, [u8]>>> {
+/// The parts of a file holding `codes` and `scales` (the quantized states of `sample`) with the given metadata.
+pub fn encode_quantized<'a>(
+    sample: &Sample,
+    codes: Cow<'a, [u8]>,
+    scales: &[f32],
+    metadata: HashMap<String, String>,
+) -> CoreResult<Vec<Cow<'a, [u8]>>> {
     let [rows, slots, width] = sample.shape();
     ensure!(
-        q.codes.len() == rows * slots * width && q.scales.len() == rows,
+        codes.len() == rows * slots * width && scales.len() == rows,
         ShapeContract,
         "{}: {} fp8 codes and {} scales do not make a [{rows}, {slots}, {width}] sample",
         sample.key,
-        q.codes.len(),
-        q.scales.len()
+        codes.len(),
+        scales.len()
     );
     let tokens = token_bytes(sample);
-    let scales: Vec<u8> = q.scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+    let scales: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
     // Scales before codes: every tensor starts aligned to its element size.
     let head = header(
         &[
             Tensor { name: "token_ids", dtype: "I64", shape: vec![rows], bytes: tokens.len() },
             Tensor { name: SCALES, dtype: "F32", shape: vec![rows, 1, 1], bytes: scales.len() },
-            Tensor { name: "hidden_states", dtype: "F8_E4M3", shape: vec![rows, slots, width], bytes: q.codes.len() },
+            Tensor { name: "hidden_states", dtype: "F8_E4M3", shape: vec![rows, slots, width], bytes: codes.len() },
         ],
         metadata,
     )?;
-    Ok(vec![Cow::Owned(head), Cow::Owned(tokens), Cow::Owned(scales), Cow::Owned(q.codes)])
+    Ok(vec![Cow::Owned(head), Cow::Owned(tokens), Cow::Owned(scales), codes])
 }
 
 /// Reads an fp8 file's states (`hs`, already found to be F8_E4M3) and dequantizes them to bf16.
@@ -127,8 +133,18 @@ impl Format for Fp8 {
     }
 
     fn encode<'a>(&self, sample: &'a Sample, identity: &Identity) -> CoreResult<Vec<Cow<'a, [u8]>>> {
-        let q = quantize(sample)?;
-        encode_quantized(sample, q, identity_metadata(identity)?)
+        let metadata = identity_metadata(identity)?;
+        match &sample.scales {
+            // Quantized on the device already: the codes are stored as they came.
+            Some(scales) => {
+                check_sample(sample)?;
+                encode_quantized(sample, Cow::Borrowed(sample.data.as_slice()), scales, metadata)
+            }
+            None => {
+                let q = quantize(sample)?;
+                encode_quantized(sample, Cow::Owned(q.codes), &q.scales, metadata)
+            }
+        }
     }
 
     fn decode(&self, bytes: &[u8], what: &str) -> CoreResult<LoadedSample> {

@@ -212,6 +212,7 @@ impl Format for Legacy {
     }
 
     fn encode<'a>(&self, sample: &'a Sample, _identity: &Identity) -> CoreResult<Vec<Cow<'a, [u8]>>> {
+        crate::output::safetensors::refuse_quantized(sample, "legacy")?;
         self.archive(sample, false)
     }
 

@@ -91,7 +91,9 @@ pub fn token_bytes(sample: &Sample) -> Vec<u8> {
 pub fn check_sample(sample: &Sample) -> CoreResult<()> {
     let [rows, slots, width] = sample.shape();
     ensure!(
-        sample.data.len() == rows * slots * width * sample.dtype.size() && sample.token_ids.len() == rows,
+        sample.data.len() == rows * slots * width * sample.value_bytes()
+            && sample.token_ids.len() == rows
+            && sample.scales.as_ref().is_none_or(|s| s.len() == rows),
         ShapeContract,
         "{}: data of {} bytes and {} token ids do not make a [{rows}, {slots}, {width}] {} sample",
         sample.key,
@@ -105,6 +107,7 @@ pub fn check_sample(sample: &Sample) -> CoreResult<()> {
 /// The parts of `sample`'s file with the given metadata (the states borrowed, not copied).
 pub fn encode_with<'a>(sample: &'a Sample, mut metadata: HashMap<String, String>, compress: Option<i32>) -> CoreResult<Vec<Cow<'a, [u8]>>> {
     check_sample(sample)?;
+    refuse_quantized(sample, "hscapture")?;
     let tokens = token_bytes(sample);
     let ti = Tensor { name: "token_ids", dtype: "I64", shape: vec![sample.token_ids.len()], bytes: tokens.len() };
     let (head, states) = match compress {
@@ -128,6 +131,18 @@ pub fn encode_with<'a>(sample: &'a Sample, mut metadata: HashMap<String, String>
         }
     };
     Ok(vec![Cow::Owned(head), Cow::Owned(tokens), states])
+}
+
+/// A format that stores states as captured cannot take a device-quantized sample (a session wired wrongly).
+pub fn refuse_quantized(sample: &Sample, format: &str) -> CoreResult<()> {
+    ensure!(
+        sample.scales.is_none(),
+        Compatibility,
+        "{}: the sample arrived as fp8 codes, which the {format} format does not store; the device quantizes only \
+         for the fp8 format",
+        sample.key
+    );
+    Ok(())
 }
 
 pub fn token_ids(ti: &safetensors::tensor::TensorView<'_>, what: &str) -> CoreResult<Vec<i64>> {

@@ -5,7 +5,8 @@ use std::collections::HashMap;
 use crate::attribution::plan::SampleKey;
 use hscapture_kernels::DType;
 
-/// `hidden_states` `[rows, slots, width]` in `dtype` (row-major) and the prompt's `token_ids`.
+/// `hidden_states` `[rows, slots, width]` in `dtype` (row-major) and the prompt's `token_ids` — or, with `scales`,
+/// those states quantized on the device: e4m3fn codes (one byte per value) and one scale per row (`output/fp8.rs`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sample {
     pub key: SampleKey,
@@ -19,6 +20,7 @@ pub struct Sample {
     /// The training mask of the prompt's tokens (0/1), when the input has one (the `legacy` format
     /// stores it; all ones without).
     pub loss_mask: Option<Vec<u8>>,
+    pub scales: Option<Vec<f32>>,
 }
 
 /// A sample file read back: `data` is `[shape[0], shape[1], shape[2]]` in `dtype`, decoded.
@@ -54,9 +56,18 @@ impl Sample {
         [self.rows, self.slots, self.width]
     }
 
+    /// Bytes of one stored value (1 for fp8 codes).
+    pub fn value_bytes(&self) -> usize {
+        if self.scales.is_some() {
+            1
+        } else {
+            self.dtype.size()
+        }
+    }
+
     /// Row `pos`, slot `slot` as bytes.
     pub fn cell(&self, pos: usize, slot: usize) -> &[u8] {
-        let rb = self.width * self.dtype.size();
+        let rb = self.width * self.value_bytes();
         let o = (pos * self.slots + slot) * rb;
         &self.data[o..o + rb]
     }

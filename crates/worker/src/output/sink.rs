@@ -78,7 +78,10 @@ impl FileSink {
 impl Sink for FileSink {
     fn put(&self, sample: &Sample) -> CoreResult<SampleRecord> {
         let file = match &self.locks {
-            Some(_) => staging::file_name(&sample.req_id),
+            Some(locks) => {
+                std::thread::sleep(locks.delay);
+                staging::file_name(&sample.req_id)
+            }
             None => self.format.file(&sample.key),
         };
         let written = self

@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use std::time::Duration;
 
 use crate::{core_err, error::CoreResult};
 
@@ -30,11 +31,13 @@ pub fn lock_path(file: &Path) -> PathBuf {
 pub struct Locks {
     root: PathBuf,
     held: Mutex<HashMap<String, File>>,
+    /// Tests only: how long each file's write is held back (a slow disk), to show that clients wait for it.
+    pub delay: Duration,
 }
 
 impl Locks {
-    pub fn new(root: &Path) -> Locks {
-        Locks { root: root.to_path_buf(), held: Mutex::new(HashMap::new()) }
+    pub fn new(root: &Path, delay: Duration) -> Locks {
+        Locks { root: root.to_path_buf(), held: Mutex::new(HashMap::new()), delay }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, File>> {
@@ -74,7 +77,7 @@ mod tests {
     #[test]
     fn a_lock_is_held_until_released_and_its_file_left_for_the_client() {
         let d = tempfile::tempdir().unwrap();
-        let locks = Locks::new(d.path());
+        let locks = Locks::new(d.path(), Duration::ZERO);
         assert_eq!(file_name("cmpl-a1/b 2"), "cmpl-a1_b_2.safetensors");
         locks.hold("r-1").unwrap();
         let path = lock_path(&d.path().join(file_name("r-1")));

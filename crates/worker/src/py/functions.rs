@@ -91,6 +91,7 @@ fn encode_sample<'py>(
             width: shape[2],
             dtype: super::tensor::parse_dtype(dtype, "dtype")?,
             loss_mask: None,
+            scales: None,
         };
         let f = crate::output::format::by_name(format, None)?;
         let bytes = py.detach(|| f.encode(&sample, &identity).map(|parts| parts.concat()))?;

@@ -64,7 +64,7 @@ impl CaptureSession {
     /// rank writes them under `out_dir` in `format` with `writer_threads` threads — a capture directory, or with
     /// `staging` per-request files a client collects (`output/staging.rs`).
     #[new]
-    #[pyo3(signature = (layer_ids, convention, num_hidden_layers, hidden_size, model_dtype, out_dtype, assemble, out_dir=None, writer_threads=4, writer_queue=8, durable=true, format="hscapture".to_string(), compress=None, model=String::new(), staging=false))]
+    #[pyo3(signature = (layer_ids, convention, num_hidden_layers, hidden_size, model_dtype, out_dtype, assemble, out_dir=None, writer_threads=4, writer_queue=8, durable=true, format="hscapture".to_string(), compress=None, model=String::new(), staging=false, staging_delay_ms=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -83,6 +83,7 @@ impl CaptureSession {
         compress: Option<i32>,
         model: String,
         staging: bool,
+        staging_delay_ms: u64,
     ) -> PyResult<Self> {
         guard("CaptureSession()", || {
             let cfg = SessionConfig {
@@ -92,8 +93,9 @@ impl CaptureSession {
                 out_dtype: parse_dtype(out_dtype, "output dtype")?,
                 assemble,
             };
-            let out =
-                OutputSettings { root: out_dir, format, compress, model, threads: writer_threads, queue: writer_queue, durable, staging };
+            let staging_delay = std::time::Duration::from_millis(staging_delay_ms);
+            let (threads, queue) = (writer_threads, writer_queue);
+            let out = OutputSettings { root: out_dir, format, compress, model, threads, queue, durable, staging, staging_delay };
             Ok(CaptureSession { inner: py.detach(|| WorkerSession::new(cfg, out))? })
         })
     }
@@ -221,13 +223,22 @@ impl CaptureSession {
     /// Captures CUDA tensors on device `ordinal` from now on: compiles the capture kernel (NVRTC) and
     /// allocates the fixed device arena of `capacity_rows` rows per layer and `host_ring` pinned host
     /// buffers. With `overlap`, a step begins while the previous one's forward and copies are in flight
-    /// (needs `host_ring` ≥ 2). Returns the architecture the kernel was built for.
-    #[pyo3(signature = (ordinal, capacity_rows, host_ring=2, overlap=true))]
-    fn enable_device(&mut self, py: Python<'_>, ordinal: i32, capacity_rows: usize, host_ring: usize, overlap: bool) -> PyResult<String> {
+    /// (needs `host_ring` ≥ 2). With `fp8`, each step is quantized on the device (the fp8 format's codes and
+    /// scales cross PCIe). Returns the architecture the kernel was built for.
+    #[pyo3(signature = (ordinal, capacity_rows, host_ring=2, overlap=true, fp8=false))]
+    fn enable_device(
+        &mut self,
+        py: Python<'_>,
+        ordinal: i32,
+        capacity_rows: usize,
+        host_ring: usize,
+        overlap: bool,
+        fp8: bool,
+    ) -> PyResult<String> {
         guard("enable_device", || {
             let cfg = self.inner.session().config().clone();
-            let dev =
-                py.detach(|| CudaDevice::new(ordinal, cfg.layers.num_slots(), cfg.hidden_size, cfg.out_dtype, capacity_rows, host_ring))?;
+            let (slots, width, dtype) = (cfg.layers.num_slots(), cfg.hidden_size, cfg.out_dtype);
+            let dev = py.detach(|| CudaDevice::new(ordinal, slots, width, dtype, capacity_rows, host_ring, fp8))?;
             let arch = dev.arch().to_string();
             self.inner.set_device(Box::new(dev), overlap)?;
             Ok(arch)

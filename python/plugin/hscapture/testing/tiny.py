@@ -2,8 +2,10 @@
 
 ``demo`` uses ``deepseek_v3``: DeepSeek-V3-shaped (MLA attention dims of the real model, YaRN rope,
 a dense first layer then MoE with a shared expert and sigmoid ``noaux_tc`` routing), random weights.
-The tests also use ``llama`` and ``deepseek_v2``. Models are saved with ``save_pretrained``; a
-WordLevel tokenizer is added so that text prompts work too.
+The tests also use ``llama``, ``deepseek_v2`` and ``qwen2_vl`` (Qwen2-VL, its vision tower as deep as the text
+model but narrower: the text model's layers must be the ones hooked).
+Models are saved with ``save_pretrained``; a WordLevel tokenizer is added so that text prompts work too (for
+``qwen2_vl`` with Qwen2-VL's vision tokens after the vocabulary, and its image and video processors).
 """
 
 from __future__ import annotations
@@ -55,20 +57,84 @@ def _deepseek_common() -> dict:
     )
 
 
-def _save_tokenizer(path: Path) -> None:
+# Qwen2-VL's vision tokens, ids VOCAB, VOCAB + 1, ...: outside the ids the tests' prompts draw (4 to VOCAB - 1).
+QWEN2_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def _qwen2_vl_config():
+    import transformers as tf
+
+    ids = {t: VOCAB + i for i, t in enumerate(QWEN2_VL_TOKENS)}
+    text = dict(
+        vocab_size=VOCAB + len(QWEN2_VL_TOKENS),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]},  # sums to head_dim / 2 = 32
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+    )
+    # As deep as the text model, narrower (embed_dim 64); `hidden_size` is what its merger hands the text model.
+    vision = dict(depth=text["num_hidden_layers"], embed_dim=64, hidden_size=128, num_heads=2, mlp_ratio=2)
+    return tf.Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        tie_word_embeddings=False,
+    )
+
+
+def _save_tokenizer(path: Path, specials: tuple[str, ...] = ()) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3, **{f"w{i}": i for i in range(4, VOCAB)}}
+    vocab.update({t: VOCAB + i for i, t in enumerate(specials)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    extra = {"additional_special_tokens": list(specials)} if specials else {}
     PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>", **extra
+    ).save_pretrained(str(path))
+
+
+def _save_qwen2_vl_processor(path: Path, vision) -> None:
+    """The tokenizer with the vision tokens, and image/video processors of ``vision``'s patches (at most 56x56
+    pixels: 4 image tokens, what vLLM's profiling runs through the tower)."""
+    import transformers as tf
+
+    _save_tokenizer(path, QWEN2_VL_TOKENS)
+    if int(tf.__version__.split(".")[0]) < 5:
+        # transformers 4.x's Qwen2VLProcessor takes only a Qwen2 tokenizer (5.x any); the fast one reads this
+        # tokenizer.json unchanged.
+        cfg = json.loads((path / "tokenizer_config.json").read_text())
+        cfg["tokenizer_class"] = "Qwen2Tokenizer"
+        (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    kw = dict(
+        min_pixels=28 * 28,
+        max_pixels=56 * 56,
+        patch_size=vision.patch_size,
+        merge_size=vision.spatial_merge_size,
+        temporal_patch_size=vision.temporal_patch_size,
+    )
+    tf.Qwen2VLProcessor(
+        image_processor=tf.Qwen2VLImageProcessor(**kw),
+        tokenizer=tf.AutoTokenizer.from_pretrained(str(path)),
+        video_processor=tf.Qwen2VLVideoProcessor(**kw),
     ).save_pretrained(str(path))
 
 
 def build(kind: str, path: str | Path, seed: int = 0, tokenizer: bool = True, dtype: str = "bfloat16") -> Path:
-    """Builds tiny model ``kind`` (``llama``, ``deepseek_v2``, ``deepseek_v3``) at ``path``, weights saved
+    """Builds tiny model ``kind`` (``llama``, ``deepseek_v2``, ``deepseek_v3``, ``qwen2_vl``) at ``path``, weights saved
     in ``dtype`` (what ``dtype="auto"`` loads); returns the path. Reuses an identical earlier build.
     """
     import torch
@@ -106,15 +172,22 @@ def build(kind: str, path: str | Path, seed: int = 0, tokenizer: bool = True, dt
         model = tf.DeepseekV3ForCausalLM(cfg)
         # transformers does not write these; vLLM (like the real config.json) needs them.
         extra = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    elif kind == "qwen2_vl":
+        cfg = _qwen2_vl_config()
+        model = tf.Qwen2VLForConditionalGeneration(cfg)
+        # transformers 4.x writes `architectures` into text_config only; vLLM reads it at the top, like real configs.
+        extra = {"architectures": ["Qwen2VLForConditionalGeneration"]}
     else:
-        raise ValueError(f"unknown tiny model {kind!r}; expected llama, deepseek_v2 or deepseek_v3")
+        raise ValueError(f"unknown tiny model {kind!r}; expected llama, deepseek_v2, deepseek_v3 or qwen2_vl")
     _randomize_buffers(model)
     model.to(getattr(torch, dtype)).save_pretrained(str(path))
     if extra:
         c = json.loads((path / "config.json").read_text())
         c.update(extra)
         (path / "config.json").write_text(json.dumps(c, indent=2))
-    if tokenizer:
+    if tokenizer and kind == "qwen2_vl":
+        _save_qwen2_vl_processor(path, cfg.vision_config)
+    elif tokenizer:
         _save_tokenizer(path)
     stamp.write_text(json.dumps(want))
     return path

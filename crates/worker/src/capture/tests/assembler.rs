@@ -14,7 +14,7 @@ fn arena(rows: usize) -> Arena {
 }
 
 fn assembler() -> Assembler {
-    let geo = Geometry { slots: 1, width: 2, dtype: DType::F32 };
+    let geo = Geometry { slots: 1, width: 2, dtype: DType::F32, quantized: false };
     Assembler::start(Scatter::new(geo, std::sync::Arc::new(BufferPool::new(4))), crate::failure::Failure::new()).unwrap()
 }
 

@@ -39,7 +39,7 @@ fn step(n: usize, len: usize) -> (Arena, ScatterJob) {
 }
 
 fn scatter() -> Scatter {
-    Scatter::new(Geometry { slots: 2, width: W, dtype: DType::F32 }, Arc::new(BufferPool::new(8)))
+    Scatter::new(Geometry { slots: 2, width: W, dtype: DType::F32, quantized: false }, Arc::new(BufferPool::new(8)))
 }
 
 #[test]

@@ -207,6 +207,9 @@ pub(crate) struct HostDevice {
     /// stand-in models a device whose next step waits for them, as the CUDA path's stream wait does).
     flight: std::collections::VecDeque<usize>,
     pub(crate) waits: usize,
+    /// fp8: the twin quantizes each step at `end_step`; per ring buffer, its codes (`[slot][cap][H]`) and scales.
+    quantize: bool,
+    codes: Vec<Option<(Vec<u8>, Vec<f32>)>>,
 }
 
 impl HostDevice {
@@ -221,18 +224,33 @@ impl HostDevice {
             cur: None,
             flight: std::collections::VecDeque::new(),
             waits: 0,
+            quantize: false,
+            codes: (0..ring).map(|_| None).collect(),
         }
+    }
+
+    /// As `new`, quantizing each step to fp8 as the CUDA path does (the twin over the step's arena).
+    pub(crate) fn quantizing(slots: usize, cap: usize, ring: usize) -> HostDevice {
+        HostDevice { quantize: true, ..HostDevice::new(slots, cap, ring) }
     }
 }
 
 struct HostBuf {
     slot: usize,
     arena: Arena,
+    cap: usize,
+    codes: Option<(Vec<u8>, Vec<f32>)>,
 }
 
 impl crate::capture::rows::StepRows for HostBuf {
     fn row(&self, slot: usize, row: usize) -> &[u8] {
-        self.arena.row(slot, row)
+        match &self.codes {
+            Some((c, _)) => &c[(slot * self.cap + row) * H..(slot * self.cap + row + 1) * H],
+            None => self.arena.row(slot, row),
+        }
+    }
+    fn scale(&self, row: usize) -> Option<f32> {
+        self.codes.as_ref().map(|(_, s)| s[row])
     }
     fn nonfinite(&self, slot: usize, row: usize) -> u32 {
         self.arena.nonfinite(slot, row)
@@ -263,6 +281,9 @@ impl crate::capture::device::DeviceBackend for HostDevice {
     }
     fn ring(&self) -> usize {
         self.hosts.len()
+    }
+    fn quantizes(&self) -> bool {
+        self.quantize
     }
     fn reset(&mut self, rows: usize, runs: &[hscapture_kernels::RowRun]) -> CoreResult<()> {
         if self.cur.is_none() {
@@ -302,6 +323,27 @@ impl crate::capture::device::DeviceBackend for HostDevice {
             dst.row_sums.copy_from_slice(&sums);
             dst.nonfinite.copy_from_slice(&bad);
         }
+        if self.quantize {
+            // Gather each row's slots (the arena is slot-major), quantize, scatter the codes back slot-major.
+            let (n, slots, w) = (self.rows, self.slots, H);
+            let mut rows = vec![0u8; n * slots * w * 4];
+            for r in 0..n {
+                for s in 0..slots {
+                    rows[(r * slots + s) * w * 4..(r * slots + s + 1) * w * 4]
+                        .copy_from_slice(crate::capture::rows::StepRows::row(&host, s, r));
+                }
+            }
+            let (mut q, mut scales) = (vec![0u8; n * slots * w], vec![0f32; n]);
+            hscapture_kernels::fp8::quantize(&rows, DType::F32, n, slots * w, &mut q, &mut scales);
+            let mut codes = vec![0u8; slots * self.cap * w];
+            for r in 0..n {
+                for s in 0..slots {
+                    let at = (s * self.cap + r) * w;
+                    codes[at..at + w].copy_from_slice(&q[(r * slots + s) * w..(r * slots + s + 1) * w]);
+                }
+            }
+            self.codes[i] = Some((codes, scales));
+        }
         self.hosts[i] = Some(host);
         self.cur = None;
         self.flight.push_back(i);
@@ -311,7 +353,7 @@ impl crate::capture::device::DeviceBackend for HostDevice {
         self.waits += 1;
         let i = self.flight.pop_front().expect("wait without a step in flight");
         let arena = self.hosts[i].take().expect("the buffer is not handed out twice");
-        Ok(Box::new(HostBuf { slot: i, arena }))
+        Ok(Box::new(HostBuf { slot: i, arena, cap: self.cap, codes: self.codes[i].take() }))
     }
     fn recycle(&mut self, buf: Box<dyn crate::capture::device::PinnedStep>) -> CoreResult<()> {
         let i = buf.ring_slot();

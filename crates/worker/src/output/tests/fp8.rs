@@ -33,6 +33,7 @@ fn sample(rows: usize) -> Sample {
         width: 8,
         dtype: DType::BF16,
         loss_mask: None,
+        scales: None,
     }
 }
 

@@ -38,6 +38,7 @@ fn sample(i: u64, rows: usize) -> Sample {
         width: 8,
         dtype: DType::BF16,
         loss_mask: None,
+        scales: None,
     }
 }
 

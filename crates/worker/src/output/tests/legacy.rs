@@ -13,6 +13,7 @@ fn sample(rows: usize, slots: usize, width: usize, dtype: DType, mask: Option<Ve
         width,
         dtype,
         loss_mask: mask,
+        scales: None,
     }
 }
 

@@ -28,6 +28,7 @@ fn sample(i: u64, slots: usize) -> Sample {
         width: 2,
         dtype: DType::F32,
         loss_mask: None,
+        scales: None,
     }
 }
 

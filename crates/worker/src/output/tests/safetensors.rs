@@ -36,6 +36,7 @@ fn round_trip() {
         width: 4,
         dtype: DType::BF16,
         loss_mask: None,
+        scales: None,
     };
     let p = d.path().join("hs_3.safetensors");
     let n = write(&p, &s, "after", None);
@@ -70,6 +71,7 @@ fn compressed_files_read_back_exactly_and_are_still_safetensors() {
         width: 16,
         dtype: DType::BF16,
         loss_mask: None,
+        scales: None,
     };
     let (plain, packed) = (d.path().join("a.safetensors"), d.path().join("b.safetensors"));
     let n_plain = write(&plain, &s, "before", None);
@@ -107,6 +109,7 @@ fn a_compressed_shape_that_overflows_is_an_error_not_an_allocation() {
         width: 4,
         dtype: DType::BF16,
         loss_mask: None,
+        scales: None,
     };
     let file = Safetensors { compress: Some(1) }.encode(&s, &identity("after")).unwrap().concat();
     assert!(Safetensors { compress: None }.decode(&file, "t").is_ok());

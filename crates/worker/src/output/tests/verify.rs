@@ -28,6 +28,7 @@ fn write(root: &Path, i: u64, vals: &[f32]) -> SampleRecord {
         width: 2,
         dtype: DType::F32,
         loss_mask: None,
+        scales: None,
     };
     let sink = FileSink::open(root, by_name("hscapture", None).unwrap(), identity(), false).unwrap();
     sink.put(&s).unwrap()

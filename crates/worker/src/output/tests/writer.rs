@@ -17,6 +17,7 @@ fn sample(i: u64) -> Sample {
         width: 4,
         dtype: DType::F32,
         loss_mask: None,
+        scales: None,
     }
 }
 

@@ -13,6 +13,8 @@
 # vLLM's asynchronous scheduling off/on in every mode (does hscapture's per-step wait cost the overlap?);
 # compiled = eager vs torch.compile (no CUDA graphs) vs CUDA graphs, Llama shape
 # (modes plain,hscapture,plain_compiled,hscapture_compiled,plain_graphs) and the compiled GPU oracle test;
+# fp8 = bf16 vs fp8 files (modes plain,hscapture,hscapture_fp8,hscapture_fp8_host); connector = bench/connector.py
+# (vllm serve with the KV connector, driven as speculators' client does: plain, file, fp8);
 # tp2 (nvidia-h200-x2) = the same benchmark at tensor-parallel 2 (modes plain,hscapture,vllm by default).
 # (The DeepSeek-V3 TP=2 vs TP=1 check in float32 cannot run there: vLLM 0.23 has no float32 MLA backend.)
 # Logs go to $OUT (they come back with the call).
@@ -59,13 +61,21 @@ case "$what" in
         --modes "${MODES:-plain,hscapture,plain_compiled,hscapture_compiled,plain_graphs}" \
         --prompts "${PROMPTS:-64}" --batch 16 --length 1024 --rounds 2 2>&1 | tee "$out/compiled-bench.log"
     fi
+    if [[ ",$parts," == *",fp8,"* ]]; then  # bf16 vs fp8 files (quantized on the GPU, or in the writer threads)
+      python3 bench/gpu.py --models "${MODELS:-llama8b,dsv3}" --modes "${MODES:-plain,hscapture,hscapture_fp8,hscapture_fp8_host}" \
+        --prompts "${PROMPTS:-64}" --batch 16 --length 1024 --rounds 2 2>&1 | tee "$out/fp8-bench.log"
+    fi
+    if [[ ",$parts," == *",connector,"* ]]; then  # vllm serve with the KV connector, driven as speculators does
+      python3 bench/connector.py --model llama8b --modes "${CONNECTOR_MODES:-plain,file,fp8}" --prompts "${PROMPTS:-64}" \
+        --length 1024 --concurrency 32 2>&1 | tee "$out/connector-bench.log"
+    fi
     if [[ ",$parts," == *",durable,"* ]]; then
       python3 bench/gpu.py --models llama8b --modes plain,hscapture_durable \
         --prompts 64 --batch 16 --length 1024 --rounds 2 2>&1 | tee "$out/durable.log"
     fi
     ;;
   *)
-    echo "usage: $0 stage | install | run [tests,bench,durable,compiled,tp2]" >&2
+    echo "usage: $0 stage | install | run [tests,bench,fp8,connector,durable,compiled,tp2]" >&2
     exit 2
     ;;
 esac

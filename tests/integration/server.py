@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "TORCHINDUCTOR_VEC_ISA_OK": "1"}
+# VLLM_SLEEP_WHEN_IDLE: on 2 cores, TP workers that spin while idle starve the client process (speculators' CLI
+# took over 10 minutes to import beside a TP=2 server).
+ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "TORCHINDUCTOR_VEC_ISA_OK": "1",
+    "VLLM_SLEEP_WHEN_IDLE": "1",
+}
 
 
 def free_port() -> int:

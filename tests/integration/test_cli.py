@@ -37,7 +37,7 @@ def test_extract_writes_files_and_manifest_then_refuses_to_overwrite(tmp_path, t
         "--out",
         str(out),
         "--layers",
-        "3,1",
+        "1,3",
         "--convention",
         "after",
         "--dtype",

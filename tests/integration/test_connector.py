@@ -2,8 +2,10 @@
 hscapture.worker.CaptureWorker`` and the ``HscaptureConnector`` KV connector, driven by speculators 0.9.0's own
 ``generate-offline-data`` CLI (concurrency 4, chunked prefill forced by 32-token steps, ``--validate-outputs``),
 its files read by speculators' ``FileTransfer``/``FP8Transfer`` and its training data loader. The files must equal
-hscapture's offline ``extract`` of the same dataset (``file``: bit for bit; ``fp8``: its codes and scales are
-speculators' quantization of those states) and HF transformers' states."""
+hscapture's offline ``extract`` of the same dataset and HF transformers' states: bit for bit where the two runs
+compute the same steps (``--max-num-seqs 1``: one request per step, each chunked the same way; ``fp8``: its codes
+and scales are speculators' quantization of those states), within float32 noise where requests share steps
+differently (TP=2, interleaved)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ datasets = pytest.importorskip("datasets", reason="the prepared dataset needs `d
 LAYERS = [1, 2, 4]  # vLLM's (before) ids; 4 = the tiny llama's depth: the final layer
 ROWS = 22
 VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--max-num-batched-tokens", "32"]
+# One request per step: the server computes exactly the offline run's steps, so their states are equal bit for bit
+# (float32 sums on CPU depend on how a step is composed; chunks of one request are the same in both runs).
+SEQUENTIAL = ["--max-num-seqs", "1"]
 
 
 def _speculators() -> Path:
@@ -50,10 +55,12 @@ def _connector(stage: Path, fmt: str) -> str:
     )
 
 
-def _serve(tmp: Path, model: str, fmt: str, tp: int = 1, worker: str = "hscapture.worker.CaptureWorker", env=None):
+def _serve(
+    tmp: Path, model: str, fmt: str, tp: int = 1, worker: str = "hscapture.worker.CaptureWorker", env=None, extra=()
+):
     """The issue's command as written: layers in additional_config, the connector's settings in its extra config."""
     stage = tmp / f"stage-{fmt}-tp{tp}"
-    args = [*VLLM_ARGS, "--worker-cls", worker, "--tensor-parallel-size", str(tp)]
+    args = [*VLLM_ARGS, *extra, "--worker-cls", worker, "--tensor-parallel-size", str(tp)]
     args += ["--additional-config", json.dumps({"hscapture": {"layers": LAYERS, "convention": "before"}})]
     args += ["--kv-transfer-config", _connector(stage, fmt)]
     if tp > 1:
@@ -87,7 +94,7 @@ def prepared(tmp_path_factory, tiny_model):
     ds.set_format(type="torch")
     ds.save_to_disk(str(data))
     offline = root / "offline"
-    r = _extract(model, data, offline)
+    r = _extract(model, data, offline, "--vllm-arg", "max_num_seqs=1")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return model, root, data, ids, offline
 
@@ -115,12 +122,17 @@ def _check_stage_empty(stage: Path) -> None:
     assert left == [], f"left in the staging directory: {left[:10]}"
 
 
-def _check_file_run(out: Path, ids, offline: Path) -> None:
+def _check_file_run(out: Path, ids, offline: Path, exact: bool) -> None:
     for i, row in enumerate(ids):
         got, ref = _load(out / f"hs_{i}.safetensors"), _load(offline / "hidden_states" / f"hs_{i}.safetensors")
         assert got["token_ids"].tolist() == row, f"sample {i}: token ids"
-        assert got["hidden_states"].dtype == torch.float32 and tuple(got["hidden_states"].shape) == (len(row), 3, 128)
-        assert torch.equal(got["hidden_states"], ref["hidden_states"]), f"sample {i} differs from the offline capture"
+        g, r = got["hidden_states"], ref["hidden_states"]
+        assert g.dtype == torch.float32 and tuple(g.shape) == (len(row), 3, 128)
+        if exact:
+            assert torch.equal(g, r), f"sample {i} differs from the offline capture"
+        else:
+            err = float((torch.linalg.vector_norm(g - r, dim=-1) / torch.linalg.vector_norm(r, dim=-1)).max())
+            assert err < 1e-5, f"sample {i} differs from the offline capture by {err:.2e} (float32 noise is ~1e-7)"
 
 
 TRAINING = """
@@ -159,14 +171,14 @@ def test_file_server_equals_the_offline_capture_and_hf(prepared):
     from hscapture.testing import reference
 
     model, root, data, ids, offline = prepared
-    server, stage = _serve(root, model, "file")
+    server, stage = _serve(root, model, "file", extra=SEQUENTIAL)
     out = root / "served-file"
     with server:
         r = _generate(server, data, out, validate=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:] + server.log()
     assert sorted(p.name for p in out.iterdir()) == sorted(f"hs_{i}.safetensors" for i in range(ROWS))
     _check_stage_empty(stage)
-    _check_file_run(out, ids, offline)
+    _check_file_run(out, ids, offline, exact=True)
     ref = reference.compute_subprocess(model, [ids[0], ids[5]], LAYERS, "before", root / "ref")
     for k, i in enumerate((0, 5)):
         ours = _load(out / f"hs_{i}.safetensors")["hidden_states"]
@@ -186,7 +198,7 @@ def test_fp8_server_stores_speculators_quantization_of_the_same_states(prepared)
     finally:
         sys.path.pop(0)
     model, root, data, ids, offline = prepared
-    server, stage = _serve(root, model, "fp8")
+    server, stage = _serve(root, model, "fp8", extra=SEQUENTIAL)
     out = root / "served-fp8"
     with server:
         # speculators 0.9.0's --validate-outputs cannot pass fp8 files (torch.aminmax has no float8 kernel): its
@@ -208,7 +220,7 @@ def test_fp8_server_stores_speculators_quantization_of_the_same_states(prepared)
         assert torch.equal(got["hidden_states_scales"], scales), f"sample {i}: scales"
         deq = dequantize_fp8_tensor(got["hidden_states"], got["hidden_states_scales"]).float()
         # Within the fp8 step: half an e4m3 ulp of each value (2^-4 relative), or of the scale's denormals.
-        bound = states.abs() / 16 + got["hidden_states_scales"].float() * 2**-9 + states.abs() / 128
+        bound = states.abs() * (2**-4 + 2**-7) + got["hidden_states_scales"].float() * 2**-9
         assert bool(((deq - states).abs() <= bound).all()), f"sample {i}: dequantized beyond the fp8 step"
     seen = _train_reads(data, out, "fp8")
     assert seen["n"] == ROWS and seen["dtypes"] == ["torch.bfloat16"], seen
@@ -221,7 +233,7 @@ def test_fp8_extract_is_verified_resumed_and_loaded_dequantized(prepared):
 
     model, root, data, ids, offline = prepared
     out = root / "offline-fp8"
-    r = _extract(model, data, out, "--format", "fp8")
+    r = _extract(model, data, out, "--format", "fp8", "--vllm-arg", "max_num_seqs=1")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     m = json.loads((out / "manifest.json").read_text())
     assert (m["sample_format"], m["dtype"]) == ("fp8", "float8_e4m3fn")
@@ -232,7 +244,9 @@ def test_fp8_extract_is_verified_resumed_and_loaded_dequantized(prepared):
         assert s["stored"] == "float8_e4m3fn" and s["hidden_states"].dtype == torch.bfloat16
         deq = (st["hidden_states"].to(torch.bfloat16) * st["hidden_states_scales"].to(torch.bfloat16)).float()
         assert torch.equal(s["hidden_states"].float(), deq), "FP8Transfer's dequantization"
-        assert torch.allclose(deq, ref, rtol=2**-4, atol=float(st["hidden_states_scales"].max()) * 2**-9)
+        # Within the fp8 step: half an e4m3 ulp (2^-4 relative) or of its denormals, plus bf16's roundings (2^-8).
+        bound = ref.abs() * (2**-4 + 2**-7) + st["hidden_states_scales"].float() * 2**-9
+        assert bool(((deq - ref).abs() <= bound).all()), f"sample {i}: dequantized beyond the fp8 step"
     v = _hscapture("verify", out)
     assert v.returncode == 0 and "OK" in v.stdout, v.stdout + v.stderr
     victim = out / "hidden_states" / "hs_4.safetensors"
@@ -242,15 +256,15 @@ def test_fp8_extract_is_verified_resumed_and_loaded_dequantized(prepared):
     victim.write_bytes(good[:at] + bytes(4) + good[at + 4 :])  # token 0's scale: 0.0
     v = _hscapture("verify", out)
     assert v.returncode != 0 and "hs_4" in v.stdout + v.stderr and "scale" in v.stdout + v.stderr, v.stdout + v.stderr
-    r = _extract(model, data, out, "--format", "fp8", "--resume")
+    r = _extract(model, data, out, "--format", "fp8", "--resume", "--vllm-arg", "max_num_seqs=1")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert victim.read_bytes() == good, "the damaged file was recaptured, bit for bit"
     assert _hscapture("verify", out).returncode == 0
 
 
 def test_tp2_server_with_a_slow_disk_holds_each_response_s_lock(prepared):
-    """TP=2 and every file written 1.5 s late: the response names a path whose lock is already held (so a client
-    that waits for it reads a whole file), and speculators' CLI gets every sample right."""
+    """TP=2, requests interleaved in steps, every file written 1.5 s late: the response names a path whose lock is
+    already held (so a client that waits for it reads a whole file), and speculators' CLI gets every sample right."""
     model, root, data, ids, offline = prepared
     server, stage = _serve(root, model, "file", tp=2, env={"HSCAPTURE_TEST_STAGING_DELAY_MS": "1500"})
     out = root / "served-tp2"
@@ -272,7 +286,7 @@ def test_tp2_server_with_a_slow_disk_holds_each_response_s_lock(prepared):
         r = _generate(server, data, out, validate=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:] + server.log()
     _check_stage_empty(stage)
-    _check_file_run(out, ids, offline)
+    _check_file_run(out, ids, offline, exact=False)
 
 
 def test_a_request_whose_capture_fails_gets_an_error_not_a_path(prepared):
@@ -284,7 +298,11 @@ def test_a_request_whose_capture_fails_gets_an_error_not_a_path(prepared):
         ok = server.complete([5, 6, 7])
         assert Path(ok["kv_transfer_params"]["hidden_states_path"]).parent == stage
         status, body = server.post("/v1/completions", {"model": model, "prompt": [MARKER, 5, 6, 7], "max_tokens": 1})
-        assert status >= 400 and "kv_transfer_params" not in json.dumps(body), (status, body)
+        # vLLM answers a dead engine with an error object (its HTTP status varies by version), never a completion.
+        assert "error" in body and "choices" not in body and "kv_transfer_params" not in json.dumps(body), (
+            status,
+            body,
+        )
         assert "NonFiniteError" in server.log() or "non-finite" in server.log(), server.log()
     poisoned = [p for p in stage.iterdir() if p.name.endswith(".safetensors")]
     assert len(poisoned) == 1, "only the healthy request's file exists"
@@ -295,12 +313,12 @@ import json, sys
 from vllm import LLM, SamplingParams
 from vllm.config import KVTransferConfig
 stage, model = sys.argv[1], sys.argv[2]
-llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=256, max_num_batched_tokens=32,
+llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=256, max_num_batched_tokens=32, max_num_seqs=1,
           worker_cls="hscapture.worker.CaptureWorker",
           additional_config={"hscapture": {"layers": [1, 2, 4], "convention": "before"}},
           kv_transfer_config=KVTransferConfig(**json.loads(sys.argv[3])))
 outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[4])], SamplingParams(max_tokens=1))
-print(json.dumps([[o.prompt_token_ids, (o.kv_transfer_params or {}).get("hidden_states_path")] for o in outs]))
+print("RESULT " + json.dumps([[o.prompt_token_ids, (o.kv_transfer_params or {}).get("hidden_states_path")] for o in outs]))
 """
 
 
@@ -312,7 +330,7 @@ def test_llm_generate_carries_the_same_contract(prepared, tmp_path):
     cmd = [sys.executable, "-c", LLM_SCRIPT, str(stage), model, _connector(stage, "file"), json.dumps(ps)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT ") :])
     for (prompt, path), i in zip(got, (3, 4, 7), strict=True):
         assert prompt == ids[i] and path is not None
         with open(path + ".lock", "rb") as lock:

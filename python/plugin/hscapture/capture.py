@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import _native, vllm_compat
+from . import _native, formats, vllm_compat
 from .config import CaptureConfig
 from .errors import CompatibilityError, HscaptureError
 from .ranksync import RankSync, unexpected
@@ -249,7 +249,7 @@ class WorkerCapture:
             "device_path": self.device_path,
             "layer_ids": list(self.layer_ids),
             "convention": self.cfg.convention,
-            "dtype": self.out_dtype,
+            "dtype": formats.get(self.cfg.format).stored_dtype(self.out_dtype),
             "model_dtype": self.model_dtype,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_hidden_layers,

@@ -161,6 +161,47 @@ def run_mode(args, model: Path, mode: str, prompts: list[list[int]], layers: lis
         stop(proc)
 
 
+def run_llm(args, model: Path, mode: str, prompts: list[list[int]], layers: list[int], hidden: int) -> dict:
+    """The same contract through `LLM.generate` (for machines without vLLM's HTTP server): each output's
+    `kv_transfer_params` names the file, consumed as the client does, after the batch."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    stage = Path(args.out) / f"stage-{mode}"
+    stage.mkdir(parents=True, exist_ok=True)
+    kw = dict(model=str(model), load_format="dummy", dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True)
+    kw |= dict(max_model_len=args.length + 16, max_num_batched_tokens=args.batch_tokens, enable_prefix_caching=False)
+    if mode != "plain":
+        kw["worker_cls"] = "hscapture.worker.CaptureWorker"
+        kw["additional_config"] = {"hscapture": {"layers": layers, "convention": "before"}}
+        extra = {"shared_storage_path": str(stage), "format": mode}
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="HscaptureConnector",
+            kv_connector_module_path="hscapture.connector",
+            kv_role="kv_producer",
+            kv_connector_extra_config=extra,
+        )
+    llm = LLM(**kw)
+    sp = SamplingParams(max_tokens=1, detokenize=False)
+    results = {"bytes": 0, "checked": 0}
+
+    def once(batch) -> float:
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
+        if mode != "plain":
+            for i, o in enumerate(outs):
+                path = (o.kv_transfer_params or {}).get("hidden_states_path")
+                assert path, f"no hidden_states_path for output {i}"
+                results["bytes"] += consume(path, list(o.prompt_token_ids), len(layers), hidden, full=i % 8 == 0)
+                results["checked"] += int(i % 8 == 0)
+        return time.perf_counter() - t
+
+    once(prompts[: args.concurrency])
+    results["bytes"] = results["checked"] = 0
+    seconds = min(once(prompts) for _ in range(args.rounds))
+    return {"mode": mode, "tokens": len(prompts) * args.length, "seconds": seconds, **results}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama8b", choices=sorted(SHAPES))
@@ -171,6 +212,8 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=16384)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--out", default="/tmp/hsconnector")
+    ap.add_argument("--driver", default="serve", choices=["serve", "llm"], help="vllm serve + HTTP, or LLM.generate")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # (llm driver) this process runs one mode
     args = ap.parse_args()
     shape = SHAPES[args.model]
     model = Path(args.out) / f"model-{args.model}"
@@ -180,16 +223,31 @@ def main() -> None:
     layers = [i + 1 for i in map(int, LAYERS[args.model].split(","))]
     rng = random.Random(0)
     prompts = [[rng.randrange(10, shape["vocab_size"]) for _ in range(args.length)] for _ in range(args.prompts)]
+    if args.one:
+        print("RESULT " + json.dumps(run_llm(args, model, args.one, prompts, layers, shape["hidden_size"])), flush=True)
+        return
     results = {}
     for mode in args.modes.split(","):
-        r = run_mode(args, model, mode, prompts, layers, shape["hidden_size"])
+        if args.driver == "llm":  # each mode in its own process (a clean GPU)
+            p = subprocess.run([sys.executable, *sys.argv, "--one", mode], capture_output=True, text=True)
+            line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+            if not line:
+                print(f"[{args.model}/{mode}] FAILED:\n" + (p.stdout + p.stderr)[-3000:], flush=True)
+                continue
+            r = json.loads(line[-1][len("RESULT ") :])
+        else:
+            r = run_mode(args, model, mode, prompts, layers, shape["hidden_size"])
         results[mode] = r
-        per = f", {r['bytes'] / r['tokens']:,.0f} B/token, {r['checked']} files checked in full" if r["bytes"] else ""
+        per = (
+            f", {r['bytes'] / (r['tokens'] * args.rounds):,.0f} B/token, {r['checked']} files checked in full"
+            if r["bytes"]
+            else ""
+        )
         print(f"[{args.model}/{mode}] {r['tokens'] / r['seconds']:,.0f} tok/s ({r['seconds']:.2f} s{per})", flush=True)
     if "plain" in results:
         base = results["plain"]["tokens"] / results["plain"]["seconds"]
         print(
-            f"== {args.model} served, concurrency {args.concurrency}: "
+            f"== {args.model} ({'vllm serve, concurrency ' + str(args.concurrency) if args.driver == 'serve' else 'LLM.generate'}): "
             + ", ".join(f"{m} {r['tokens'] / r['seconds'] / base:.3f}x" for m, r in results.items()),
             flush=True,
         )

@@ -130,7 +130,7 @@ def enable_device(cap: Any, vc: Any) -> str:
         ring = ((assembly_ring() if cap.session.background else 0) or 1) + int(overlap)
         # fp8 files from the device path: quantized on the GPU after each step's last layer (codes and scales cross
         # PCIe), on the rank that writes them.
-        fp8 = bool(cap.writer and cap.cfg.format == "fp8" and cap.cfg.out and envs.get("HSCAPTURE_FP8_ON_DEVICE"))
+        fp8 = bool(cap.writer_rank and cap.cfg.format == "fp8" and cap.cfg.out and envs.get("HSCAPTURE_FP8_ON_DEVICE"))
         arch = cap.session.enable_device(torch.cuda.current_device(), rows, ring, overlap, fp8)
         cap.fp8_on_device = fp8
     except HscaptureError as e:

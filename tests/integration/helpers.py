@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 
 TOL = 1e-3
@@ -53,3 +54,10 @@ def assert_matches_reference(tmp_path: Path, model: str, ps, rep, samples, layer
         assert tuple(s["hidden_states"].shape) == (len(p), len(layers), 128)
     cmp = compare([s["hidden_states"] for s in samples], reference(tmp_path, model, ps, rep.layer_ids, convention))
     assert cmp.ok(TOL), f"worst relative error {cmp.worst:.2e} at (sample, token, slot) {cmp.where}"
+
+
+def cli_extract(model, inp, out, *extra) -> list[str]:
+    """`hscapture extract` of a tiny model, layers 1,3 (after), float32, 32-token steps, as a command line."""
+    cmd = [sys.executable, "-m", "hscapture.cli.main", "extract", "--model", model, "--input", str(inp)]
+    cmd += ["--out", str(out), "--layers", "1,3", "--convention", "after", "--dtype", "float32"]
+    return cmd + ["--max-num-batched-tokens", "32", *extra]

@@ -16,33 +16,14 @@ import time
 
 import psutil
 import pytest
-from helpers import prompts
+from helpers import cli_extract, prompts
 
 pytestmark = pytest.mark.integration
 CMD = [sys.executable, "-m", "hscapture.cli.main"]
 
 
 def args(model, inp, out, *extra):
-    return CMD + [
-        "extract",
-        "--model",
-        model,
-        "--input",
-        str(inp),
-        "--out",
-        str(out),
-        "--layers",
-        "1,3",
-        "--convention",
-        "after",
-        "--dtype",
-        "float32",
-        "--max-num-batched-tokens",
-        "32",
-        "--log-every",
-        "0",
-        *extra,
-    ]
+    return cli_extract(model, inp, out, "--log-every", "0", *extra)
 
 
 def long_input(tmp_path, n=400):

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from helpers import prompts
+from helpers import cli_extract, prompts
 
 from hscapture import load_sample
 
@@ -22,24 +22,7 @@ CMD = [sys.executable, "-m", "hscapture.cli.main"]
 
 
 def extract_args(model, inp, out, *extra):
-    return CMD + [
-        "extract",
-        "--model",
-        model,
-        "--input",
-        str(inp),
-        "--out",
-        str(out),
-        "--layers",
-        "1,3",
-        "--convention",
-        "after",
-        "--dtype",
-        "float32",
-        "--max-num-batched-tokens",
-        "32",
-        *extra,
-    ]
+    return cli_extract(model, inp, out, *extra)
 
 
 def files(out):

@@ -12,8 +12,8 @@ use safetensors::{Dtype, SafeTensors};
 use crate::attribution::plan::SampleKey;
 use crate::output::format::Format;
 use crate::output::record::Identity;
-use crate::output::safetensors::{check_sample, header, identity_metadata, token_bytes, Tensor};
-use crate::output::sample::{file_stem, LoadedSample, Sample};
+use crate::output::safetensors::{check_sample, file_of, header, identity_metadata, index_in, token_bytes, Tensor, FOLDER};
+use crate::output::sample::{LoadedSample, Sample};
 use crate::{core_err, ensure, error::CoreResult};
 use hscapture_kernels::{fp8, DType};
 
@@ -117,15 +117,15 @@ impl Format for Fp8 {
     }
 
     fn file(&self, key: &SampleKey) -> String {
-        format!("hidden_states/{}.safetensors", file_stem(key))
+        file_of(key)
     }
 
     fn folder(&self) -> &'static str {
-        "hidden_states"
+        FOLDER
     }
 
     fn index_of(&self, name: &str) -> Option<u64> {
-        name.strip_prefix("hs_")?.strip_suffix(".safetensors")?.parse().ok()
+        index_in(name)
     }
 
     fn stored_dtype(&self, _: DType) -> &'static str {

@@ -150,17 +150,8 @@ fn longs(v: impl Iterator<Item = i64>) -> Vec<u8> {
 impl Legacy {
     /// The archive's entries for `sample`, with zip64 forced (tests).
     pub(crate) fn archive<'a>(&self, sample: &'a Sample, force_zip64: bool) -> CoreResult<Vec<Cow<'a, [u8]>>> {
+        crate::output::safetensors::check_sample(sample)?;
         let [rows, slots, width] = sample.shape();
-        let rb = width * sample.dtype.size();
-        ensure!(
-            sample.data.len() == rows * slots * rb && sample.token_ids.len() == rows,
-            ShapeContract,
-            "{}: data of {} bytes and {} token ids do not make a [{rows}, {slots}, {width}] {} sample",
-            sample.key,
-            sample.data.len(),
-            sample.token_ids.len(),
-            sample.dtype
-        );
         let mask = match &sample.loss_mask {
             Some(m) => {
                 ensure!(m.len() == rows, ShapeContract, "{}: a loss mask of {} values for {rows} tokens", sample.key, m.len());

@@ -156,21 +156,34 @@ pub fn token_ids(ti: &safetensors::tensor::TensorView<'_>, what: &str) -> CoreRe
     Ok(ti.data().chunks_exact(8).map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect())
 }
 
+/// The folder of safetensors sample files (the `hscapture` and `fp8` formats).
+pub const FOLDER: &str = "hidden_states";
+
+/// Sample `key`'s safetensors file, relative to the output root.
+pub fn file_of(key: &SampleKey) -> String {
+    format!("{FOLDER}/{}.safetensors", file_stem(key))
+}
+
+/// The sample index of a safetensors file's name (`hs_{i}.safetensors`).
+pub fn index_in(name: &str) -> Option<u64> {
+    name.strip_prefix("hs_")?.strip_suffix(".safetensors")?.parse().ok()
+}
+
 impl Format for Safetensors {
     fn name(&self) -> &'static str {
         "hscapture"
     }
 
     fn file(&self, key: &SampleKey) -> String {
-        format!("hidden_states/{}.safetensors", file_stem(key))
+        file_of(key)
     }
 
     fn folder(&self) -> &'static str {
-        "hidden_states"
+        FOLDER
     }
 
     fn index_of(&self, name: &str) -> Option<u64> {
-        name.strip_prefix("hs_")?.strip_suffix(".safetensors")?.parse().ok()
+        index_in(name)
     }
 
     fn encode<'a>(&self, sample: &'a Sample, identity: &Identity) -> CoreResult<Vec<Cow<'a, [u8]>>> {

@@ -19,6 +19,7 @@ use crate::output::record::{Identity, SampleRecord};
 use crate::output::sample::Sample;
 use crate::output::sink::{FileSink, Layout};
 use crate::output::staging::Locks;
+use crate::output::store::{ObjectStore, Settled, StoreSink};
 use crate::output::writer::{Writer, WriterConfig};
 use crate::{ensure, error::CoreResult};
 
@@ -41,7 +42,22 @@ pub struct OutputSettings {
     pub staging: bool,
     /// Tests only: each per-request file's write is held back this long (a slow disk).
     pub staging_delay: std::time::Duration,
+    /// Samples go to this object store as packed objects (`output/store.rs`) instead of files.
+    pub store: Option<StoreHandle>,
 }
+
+/// An object store's client, as settings carry it.
+#[derive(Clone)]
+pub struct StoreHandle(pub Arc<dyn ObjectStore>);
+
+impl std::fmt::Debug for StoreHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StoreHandle")
+    }
+}
+
+/// The name a capture into an object store goes by (the packed layout is not a file format).
+pub const STORE_FORMAT: &str = "mooncake";
 
 /// What a step's accounting reports to the caller.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,6 +82,8 @@ pub struct WorkerSession {
     /// The format's name (`format.rs`).
     format: &'static str,
     aborted: Vec<Aborted>,
+    /// The store sink's settled requests, when samples go to an object store.
+    settled: Option<Arc<Settled>>,
 }
 
 /// The identity of a capture of `cfg` stored in `format` as `out` says.
@@ -87,16 +105,41 @@ impl WorkerSession {
     pub fn new(cfg: SessionConfig, out: OutputSettings) -> CoreResult<WorkerSession> {
         ensure!(out.threads > 0, Config, "writer threads: expected at least 1, found 0");
         ensure!(out.queue > 0, Config, "writer queue: expected at least 1 sample, found 0");
-        let format = by_name(&out.format, out.compress)?;
-        let format_name = format.name();
+        let into_store = out.format == STORE_FORMAT;
+        ensure!(
+            into_store == out.store.is_some() || !cfg.assemble,
+            Config,
+            "the {STORE_FORMAT} format puts samples into an object store: expected a store client with it and only with \
+             it, found format {:?} {} one",
+            out.format,
+            if out.store.is_some() { "with" } else { "without" }
+        );
+        ensure!(
+            !into_store || (out.root.is_none() && out.compress.is_none()),
+            Config,
+            "an object store takes the samples as packed objects: expected no output directory or compression with the \
+             {STORE_FORMAT} format, found{}{}",
+            if out.root.is_some() { " an output directory" } else { "" },
+            if out.compress.is_some() { " compression" } else { "" }
+        );
+        // The identity's format: a file format's, or the plain one (the packed object holds the states as captured).
+        let format = by_name(if into_store { "hscapture" } else { &out.format }, out.compress)?;
+        let format_name = if into_store { STORE_FORMAT } else { format.name() };
         let failure = Failure::new();
         let id = identity(&cfg, &out, format.as_ref());
         let assemble = cfg.assemble;
         let mut session = Session::with_failure(cfg, failure.clone())?;
-        let output = match (assemble, &out.root) {
-            (false, _) => Output::Nothing,
-            (true, None) => Output::Memory(Vec::new()),
-            (true, Some(root)) => {
+        let wcfg = WriterConfig { threads: out.threads, queue: out.queue, pool: Some(session.pool()) };
+        let mut settled = None;
+        let output = match (assemble, &out.root, &out.store) {
+            (false, _, _) => Output::Nothing,
+            (true, None, Some(store)) => {
+                let sink = StoreSink::new(Arc::clone(&store.0));
+                settled = Some(sink.settled());
+                Output::Files(Writer::start(Arc::new(sink), wcfg, failure)?)
+            }
+            (true, None, None) => Output::Memory(Vec::new()),
+            (true, Some(root), _) => {
                 let layout = if out.staging {
                     let locks = Arc::new(Locks::new(root, out.staging_delay));
                     let held = Arc::clone(&locks);
@@ -106,11 +149,10 @@ impl WorkerSession {
                     Layout::Capture
                 };
                 let sink = Arc::new(FileSink::with_layout(root, format, id, out.durable, layout)?);
-                let wcfg = WriterConfig { threads: out.threads, queue: out.queue, pool: Some(session.pool()) };
                 Output::Files(Writer::start(sink, wcfg, failure)?)
             }
         };
-        Ok(WorkerSession { session, output, format: format_name, aborted: Vec::new() })
+        Ok(WorkerSession { session, output, format: format_name, aborted: Vec::new(), settled })
     }
 
     pub fn session(&self) -> &Session {
@@ -207,6 +249,12 @@ impl WorkerSession {
     /// Requests that ended before their prompt was complete, since the last call.
     pub fn take_aborted(&mut self) -> Vec<Aborted> {
         std::mem::take(&mut self.aborted)
+    }
+
+    /// Requests whose object is stored (or its failure marker left) since the last call; empty unless samples go
+    /// to an object store.
+    pub fn take_settled(&self) -> Vec<String> {
+        self.settled.as_ref().map(|s| s.take()).unwrap_or_default()
     }
 
     /// Records of the files written so far (removed from the writer).

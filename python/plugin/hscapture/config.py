@@ -61,6 +61,7 @@ class CaptureConfig:
     format: str = "hscapture"
     model_name: str = ""
     staging: bool = False  # per-request files a client collects (the KV connector, connector.py)
+    mooncake: dict[str, Any] | None = None  # per-request objects in a Mooncake store instead (mooncake.py)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def resolve(self, num_hidden_layers: int) -> list[int]:
@@ -208,6 +209,7 @@ def from_sources(additional_config: dict | None, connector: dict | None = None) 
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     connector = dict(connector or {})
+    mooncake = connector.pop("mooncake", None)
     where_kv = 'kv_transfer_config["kv_connector_extra_config"]'
     for key, var in _KEYS.items():
         given = []
@@ -239,10 +241,17 @@ def from_sources(additional_config: dict | None, connector: dict | None = None) 
         k: _coerce(k, envs.REGISTRY[v].default, v) for k, v in _KEYS.items() if envs.REGISTRY[v].default is not None
     }
     merged = {**defaults, **values}
-    staging = bool(connector)
-    if staging and merged.get("on_nonfinite") == "skip":
+    staging = bool(connector) and mooncake is None
+    if connector and merged.get("on_nonfinite") == "skip":
         raise ConfigError(
             "on_nonfinite=skip with the KV connector: a skipped sample's answer would name a file that never appears; "
             "expected on_nonfinite=error there (a NaN/Inf then fails the request with the error)"
         )
-    return CaptureConfig(model_name=str(section.get("model_name", "")), sources=sources, staging=staging, **merged)
+    if mooncake is not None and (merged.get("out") is not None or merged.get("compress")):
+        raise ConfigError(
+            "the mooncake format stores each sample in the Mooncake store: expected no output directory (`out`) and "
+            "no compression; remove them"
+        )
+    return CaptureConfig(
+        model_name=str(section.get("model_name", "")), sources=sources, staging=staging, mooncake=mooncake, **merged
+    )

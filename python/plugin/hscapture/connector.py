@@ -22,6 +22,7 @@ contract.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -34,10 +35,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from . import _native
 
 NAME = "HscaptureConnector"
-FORMATS = {"file": "hscapture", "hscapture": "hscapture", "fp8": "fp8"}
+FORMATS = {"file": "hscapture", "hscapture": "hscapture", "fp8": "fp8", "mooncake": "mooncake"}
 # extra-config keys that are additional_config["hscapture"] settings too (the shorter spelling)
 SETTINGS = ("layers", "convention", "dtype")
-KEYS = {"shared_storage_path", "format", *SETTINGS}
+KEYS = {"shared_storage_path", "format", "mooncake", *SETTINGS}
 
 
 def settings(vllm_config: Any) -> dict | None:
@@ -52,16 +53,31 @@ def settings(vllm_config: Any) -> dict | None:
     unknown = set(extra) - KEYS
     if unknown:
         raise ConfigError(f"{where} has unknown keys {sorted(unknown)}; {NAME} takes {sorted(KEYS)}")
+    fmt = extra.get("format", "file")
+    if fmt not in FORMATS:
+        raise ConfigError(
+            f'{where}["format"] is {fmt!r}; expected "file" (the states as captured), "fp8" or "mooncake" (objects in a '
+            "Mooncake store, for online training)"
+        )
+    shorter = {k: extra[k] for k in SETTINGS if k in extra}
+    if FORMATS[fmt] == "mooncake":
+        from . import mooncake
+
+        if "shared_storage_path" in extra:
+            raise ConfigError(f'{where}["shared_storage_path"] is set with format "mooncake", which writes no files; remove it')
+        store = mooncake.settings(extra.get("mooncake"), f'{where}["mooncake"]')
+        if "num_writer_threads" in (extra.get("mooncake") or {}):  # speculators' name for the writer's threads
+            shorter["writer_threads"] = store["num_writer_threads"]
+        return {"mooncake": store, **shorter}
+    if "mooncake" in extra:
+        raise ConfigError(f'{where}["mooncake"] is set, but the format is {fmt!r}; set "format": "mooncake" or remove it')
     path = extra.get("shared_storage_path")
     if not isinstance(path, str) or not path.strip():
         raise ConfigError(
             f'{where}["shared_storage_path"] is {path!r}; expected the directory the per-request files are written to '
             "(a path the client sees too)"
         )
-    fmt = extra.get("format", "file")
-    if fmt not in FORMATS:
-        raise ConfigError(f'{where}["format"] is {fmt!r}; expected "file" (the states as captured) or "fp8"')
-    return {"out": path, "format": FORMATS[fmt], **{k: extra[k] for k in SETTINGS if k in extra}}
+    return {"out": path, "format": FORMATS[fmt], **shorter}
 
 
 def hidden_states_path(out: str, request_id: str) -> str:
@@ -77,11 +93,18 @@ class HscaptureConnector(KVConnectorBase_V1):
             from .errors import ConfigError
 
             raise ConfigError(f"{type(self).__name__} is configured as {vllm_config.kv_transfer_config.kv_connector!r}")
-        self.out = found["out"]
+        self.out = found.get("out")
+        self.packed: tuple[int, int, str] | None = None  # (layers, hidden size, dtype) of a mooncake object
         if role == KVConnectorRole.SCHEDULER:
-            from .early_check import check
+            from .early_check import capture_config, check
 
             check(vllm_config)  # the capture must be set up (a worker class that captures, valid settings)
+            if "mooncake" in found:
+                from .wiring import model_facts
+
+                cfg = capture_config(vllm_config)
+                n_layers, hidden, model_dtype, _ = model_facts(vllm_config)
+                self.packed = (len(cfg.resolve(n_layers)), hidden, model_dtype if cfg.dtype == "auto" else cfg.dtype)
 
     # -- the scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -94,9 +117,16 @@ class HscaptureConnector(KVConnectorBase_V1):
         return KVConnectorMetadata()  # the workers read the scheduler output itself
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
-        """The answer's ``kv_transfer_params``: where the request's states are (the file is whole once its lock,
-        held from the step the prompt completed in, is released)."""
-        return False, {"hidden_states_path": hidden_states_path(self.out, request.request_id)}
+        """The answer's ``kv_transfer_params``: where the request's states are — a file, whole once its lock (held
+        from the step the prompt completed in) is released; or a Mooncake object's transfer manifest (the object,
+        or its error marker, appears once the put is over). None for a request whose prompt was not computed."""
+        prompt = list(getattr(request, "prompt_token_ids", None) or ())
+        if getattr(request, "num_computed_tokens", len(prompt)) < len(prompt) or not prompt:
+            return False, None  # aborted before its prompt completed: no sample will exist
+        if self.packed is None:
+            return False, {"hidden_states_path": hidden_states_path(self.out, request.request_id)}
+        slots, width, dtype = self.packed
+        return False, json.loads(_native.packed_manifest(request.request_id, len(prompt), slots, width, dtype))
 
     # -- the worker side: nothing of the KV cache moves -----------------------------------------------
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

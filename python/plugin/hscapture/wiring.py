@@ -49,6 +49,11 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
     tp = vllm_compat.TPGroup()
     writer = tp.rank == 0 and pp_rank == pp_size - 1  # the last stage assembles (pipeline.py)
     out_dtype = model_dtype if cfg.dtype == "auto" else cfg.dtype
+    store = None
+    if cfg.mooncake is not None and writer:
+        from .mooncake import Store
+
+        store = Store(cfg.mooncake).open()
     session = _native.CaptureSession(
         layer_ids,
         cfg.convention,
@@ -61,13 +66,14 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         writer_threads=cfg.writer_threads,
         writer_queue=cfg.writer_queue,
         durable=cfg.durable,
-        format=cfg.format,
+        format="mooncake" if cfg.mooncake is not None else cfg.format,
         compress=cfg.compress or None,
         model=cfg.model_name or model,
         staging=cfg.staging,
         staging_delay_ms=max(0, envs.get("HSCAPTURE_TEST_STAGING_DELAY_MS")) if cfg.staging else 0,
+        store=store,
     )
-    if writer and cfg.out is None:
+    if writer and cfg.out is None and store is None:
         log.warning(
             "hscapture: no output directory (`out`) is set: captured samples are kept in memory for the RPC "
             "surface (`_get_captured_states`) and nothing is written to disk"

@@ -4,6 +4,7 @@
 //!   [`compress`];
 //! - [`sink`]: where encoded samples go (files, atomically, each journaled), and [`staging`]: per-request files
 //!   for a client that collects them;
+//! - [`store`]: samples as objects in an object store (Mooncake), packed as [`packed`] says;
 //! - [`writer`]: the threads that feed a sink, behind a bounded queue;
 //! - [`atomic`], [`journal`], [`manifest`], [`record`]: files that appear whole, and what they list;
 //! - [`dirlock`]: one writing process per output directory;
@@ -17,6 +18,7 @@ pub mod fp8;
 pub mod journal;
 pub mod legacy;
 pub mod manifest;
+pub mod packed;
 pub mod pool;
 pub mod record;
 pub mod resume;
@@ -24,6 +26,7 @@ pub mod safetensors;
 pub mod sample;
 pub mod sink;
 pub mod staging;
+pub mod store;
 pub mod verify;
 pub mod writer;
 pub mod zip;

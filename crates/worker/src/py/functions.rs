@@ -185,6 +185,18 @@ fn staged_file_name(req_id: &str) -> PyResult<String> {
     guard("staged_file_name", || Ok(crate::output::staging::file_name(req_id)))
 }
 
+/// The transfer manifest (JSON text) of request `req_id`'s packed Mooncake object of `rows` tokens, `slots` layers
+/// of `width` values in `dtype` (`output/packed.rs`): what the connector answers before the object exists.
+#[pyfunction]
+#[pyo3(signature = (req_id, rows, slots, width, dtype, mode="prompt_only"))]
+fn packed_manifest(req_id: &str, rows: usize, slots: usize, width: usize, dtype: &str, mode: &str) -> PyResult<String> {
+    guard("packed_manifest", || {
+        use crate::output::packed::{key_of, PackedLayout};
+        let dtype = super::tensor::parse_dtype(dtype, "dtype")?;
+        Ok(PackedLayout::of(rows, slots, width, dtype)?.manifest(&key_of(req_id), mode).to_string())
+    })
+}
+
 /// Flushes a directory's entries (renames into it) to disk.
 #[pyfunction]
 fn sync_dir(py: Python<'_>, path: PathBuf) -> PyResult<()> {
@@ -260,6 +272,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sync_dir, m)?)?;
     m.add_function(wrap_pyfunction!(staged_file_name, m)?)?;
     m.add_function(wrap_pyfunction!(fp8_quantize, m)?)?;
+    m.add_function(wrap_pyfunction!(packed_manifest, m)?)?;
     m.add_function(wrap_pyfunction!(encode_sample, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;

@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 mod errors;
 mod functions;
 mod session;
+mod store;
 mod tensor;
 
 #[pymodule(gil_used = false)]

@@ -14,7 +14,9 @@ use crate::capture::cuda::CudaDevice;
 use crate::capture::session::SessionConfig;
 use crate::output::record::SampleRecord;
 use crate::ranks::checksums::verify_replicated;
-use crate::worker::{OutputSettings, StepReport, WorkerSession};
+use crate::worker::{OutputSettings, StepReport, StoreHandle, WorkerSession};
+use super::store::PyStore;
+use std::sync::Arc;
 
 /// `(request id, prompt token ids, computed tokens, sample index, loss mask)`.
 type NewReqTuple = (String, Vec<i64>, usize, Option<u64>, Option<Vec<u8>>);
@@ -62,9 +64,10 @@ fn tuples(rs: Vec<StepReport>) -> Vec<ReportTuple> {
 impl CaptureSession {
     /// `out_dir=None` keeps completed samples in memory for `take_samples()`; otherwise the writing
     /// rank writes them under `out_dir` in `format` with `writer_threads` threads — a capture directory, or with
-    /// `staging` per-request files a client collects (`output/staging.rs`).
+    /// `staging` per-request files a client collects (`output/staging.rs`); with `store` (an object store's client,
+    /// `py/store.rs`) and format `mooncake`, packed objects in that store instead (`output/store.rs`).
     #[new]
-    #[pyo3(signature = (layer_ids, convention, num_hidden_layers, hidden_size, model_dtype, out_dtype, assemble, out_dir=None, writer_threads=4, writer_queue=8, durable=true, format="hscapture".to_string(), compress=None, model=String::new(), staging=false, staging_delay_ms=0))]
+    #[pyo3(signature = (layer_ids, convention, num_hidden_layers, hidden_size, model_dtype, out_dtype, assemble, out_dir=None, writer_threads=4, writer_queue=8, durable=true, format="hscapture".to_string(), compress=None, model=String::new(), staging=false, staging_delay_ms=0, store=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -84,6 +87,7 @@ impl CaptureSession {
         model: String,
         staging: bool,
         staging_delay_ms: u64,
+        store: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         guard("CaptureSession()", || {
             let cfg = SessionConfig {
@@ -95,7 +99,8 @@ impl CaptureSession {
             };
             let staging_delay = std::time::Duration::from_millis(staging_delay_ms);
             let (threads, queue) = (writer_threads, writer_queue);
-            let out = OutputSettings { root: out_dir, format, compress, model, threads, queue, durable, staging, staging_delay };
+            let store = store.map(|client| StoreHandle(Arc::new(PyStore::new(client))));
+            let out = OutputSettings { root: out_dir, format, compress, model, threads, queue, durable, staging, staging_delay, store };
             Ok(CaptureSession { inner: py.detach(|| WorkerSession::new(cfg, out))? })
         })
     }
@@ -336,6 +341,11 @@ impl CaptureSession {
         })
     }
 
+    /// Requests whose object is in the store (or its failure marker) since the last call (`output/store.rs`).
+    fn take_settled(&self) -> PyResult<Vec<String>> {
+        guard("take_settled", || Ok(self.inner.take_settled()))
+    }
+
     /// Records of files written so far (removed from the session).
     fn take_records<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         guard("take_records", || records(py, &self.inner.take_records()?))
@@ -376,5 +386,14 @@ impl CaptureSession {
             d.set_item("held_bytes", s.held_bytes())?;
             Ok(d)
         })
+    }
+}
+
+impl Drop for CaptureSession {
+    /// Finishes the output without the GIL: a writer thread that puts into an object store calls back into Python
+    /// (`py/store.rs`), so joining it while holding the GIL could wait forever.
+    fn drop(&mut self) {
+        let inner = &mut self.inner;
+        Python::attach(|py| py.detach(|| drop(inner.finish())));
     }
 }

@@ -25,6 +25,7 @@ fn out(root: Option<PathBuf>) -> OutputSettings {
         durable: false,
         staging: false,
         staging_delay: std::time::Duration::ZERO,
+        store: None,
     }
 }
 
@@ -111,4 +112,44 @@ fn a_staged_file_s_lock_is_taken_when_its_step_ends_and_released_once_it_is_in_p
     assert!(d.path().join("r0.safetensors").exists() && lock.exists(), "the client removes the lock file");
     assert!(!d.path().join(crate::output::journal::FILE).exists(), "no journal in a staging directory");
     w.finish().unwrap();
+}
+
+#[derive(Default)]
+struct MemoryStore(std::sync::Mutex<Vec<(String, usize)>>);
+
+impl crate::output::store::ObjectStore for MemoryStore {
+    fn put(&self, key: &str, bytes: &[u8]) -> crate::error::CoreResult<()> {
+        self.0.lock().unwrap().push((key.to_string(), bytes.len()));
+        Ok(())
+    }
+}
+
+#[test]
+fn samples_go_to_an_object_store_as_packed_objects_and_settle() {
+    use crate::output::packed::PackedLayout;
+    let store = std::sync::Arc::new(MemoryStore::default());
+    let mut o = out(None);
+    (o.format, o.store) = (STORE_FORMAT.into(), Some(StoreHandle(store.clone())));
+    let mut w = WorkerSession::new(cfg(true), o).unwrap();
+    step(&mut w, 0);
+    step(&mut w, 1);
+    let recs = w.drain().unwrap();
+    assert_eq!(recs.len(), 2);
+    let mut settled = w.take_settled();
+    settled.sort();
+    assert_eq!(settled, ["r0", "r1"]);
+    let total = PackedLayout::of(3, 1, 2, DType::F32).unwrap().total;
+    let mut put = store.0.lock().unwrap().clone();
+    put.sort();
+    assert_eq!(put, [("r0".to_string(), total), ("r1".to_string(), total)]);
+    w.finish().unwrap();
+
+    let mut o = out(Some(std::env::temp_dir()));
+    (o.format, o.store) = (STORE_FORMAT.into(), Some(StoreHandle(store)));
+    let e = WorkerSession::new(cfg(true), o).err().unwrap();
+    assert!(e.message.contains("expected no output directory"), "{e}");
+    let mut o = out(None);
+    o.format = STORE_FORMAT.into();
+    assert!(WorkerSession::new(cfg(true), o.clone()).err().unwrap().message.contains("expected a store client"));
+    assert!(WorkerSession::new(cfg(false), o).is_ok(), "a verifying rank stores nothing");
 }

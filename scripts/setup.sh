@@ -62,6 +62,22 @@ install_speculators "$VENV" 0.9.0 "speculators==0.9.0" "hs-connectors==0.9.0"
 "$VENV/bin/python" -c "import datasets" 2>/dev/null || \
   "$VENV/bin/python" -m pip install -q "datasets==5.0.1" "huggingface_hub==0.36.2"
 "$VENV/bin/python" -m pip install -q "maturin>=1.7,<2" "pytest>=8" "ruff==0.14.7"
+
+# Mooncake's CPU build (tests of the mooncake format: a master on loopback). Its libraries need libibverbs even for
+# TCP; without root or Debian's archive the Mooncake tests skip and say why.
+install_mooncake() {  # VENV
+  "$1/bin/python" -c "import mooncake.store" 2>/dev/null && return 0
+  if ! ldconfig -p | grep -q "libibverbs.so.1"; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      log "installing libibverbs1 (Mooncake's libraries need it)"
+      (apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 libnuma1 libcurl4) >/dev/null 2>&1 || \
+        log "libibverbs1 did not install: the Mooncake tests will skip"
+    fi
+  fi
+  "$1/bin/python" -m pip install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1" || \
+    log "mooncake-transfer-engine-non-cuda did not install: the Mooncake tests will skip"
+}
+install_mooncake "$VENV"
 log "building the hscapture wheel (Rust, release)"
 rm -f target/wheels/hscapture-*.whl
 "$VENV/bin/maturin" build --release -q -i "$VENV/bin/python"
@@ -81,6 +97,7 @@ if [ "${HSCAPTURE_NEWEST:-1}" != "0" ]; then
   # datasets 5.1 (needs the huggingface_hub >= 1.31 vLLM 0.32 pins) for speculators 0.9.0's CLI and readers.
   "$NEWEST_VENV/bin/python" -m pip install -q "pytest>=8" "datasets==5.1.0"
   install_speculators "$NEWEST_VENV" 0.9.0 "speculators==0.9.0" "hs-connectors==0.9.0"
+  install_mooncake "$NEWEST_VENV"
   "$NEWEST_VENV/bin/python" -m pip install -q --no-deps --force-reinstall target/wheels/hscapture-*.whl
   "$NEWEST_VENV/bin/python" -c "import hscapture, vllm; print('[setup] hscapture', hscapture.__version__, 'on vLLM', vllm.__version__, 'ready:', '$NEWEST_VENV/bin/hscapture')"
 fi

@@ -12,7 +12,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -20,100 +19,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from server import Server
+from connector_support import (
+    LAYERS,
+    ROWS,
+    SEQUENTIAL,
+    connector,
+    extract,
+    generate,
+    hscapture_cli,
+    load,
+    serve,
+    speculators,
+)
 
 from hscapture import runtime_env
 
 pytestmark = pytest.mark.integration
-datasets = pytest.importorskip("datasets", reason="the prepared dataset needs `datasets` (scripts/setup.sh)")
-
-LAYERS = [1, 2, 4]  # vLLM's (before) ids; 4 = the tiny llama's depth: the final layer
-ROWS = 22
-VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--max-num-batched-tokens", "32"]
-# One request per step: the server computes exactly the offline run's steps, so their states are equal bit for bit
-# (float32 sums on CPU depend on how a step is composed; chunks of one request are the same in both runs).
-SEQUENTIAL = ["--max-num-seqs", "1"]
-
-
-def _speculators() -> Path:
-    from support import speculators_path
-
-    p = speculators_path("0.9.0")
-    if p is None or not (p / "hs_connectors").is_dir():
-        pytest.skip("speculators 0.9.0 + hs-connectors 0.9.0 are not installed in <venv>/speculators-0.9.0")
-    return p
-
-
-def _connector(stage: Path, fmt: str) -> str:
-    return json.dumps(
-        {
-            "kv_connector": "HscaptureConnector",
-            "kv_connector_module_path": "hscapture.connector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": str(stage), "format": fmt},
-        }
-    )
-
-
-def _serve(
-    tmp: Path, model: str, fmt: str, tp: int = 1, worker: str = "hscapture.worker.CaptureWorker", env=None, extra=()
-):
-    """The issue's command as written: layers in additional_config, the connector's settings in its extra config."""
-    stage = tmp / f"stage-{fmt}-tp{tp}"
-    args = [*VLLM_ARGS, *extra, "--worker-cls", worker, "--tensor-parallel-size", str(tp)]
-    args += ["--additional-config", json.dumps({"hscapture": {"layers": LAYERS, "convention": "before"}})]
-    args += ["--kv-transfer-config", _connector(stage, fmt)]
-    if tp > 1:
-        args += ["--distributed-executor-backend", "mp"]
-    env = {**runtime_env.cpu_defaults(tp), **(env or {})}
-    return Server(tmp, model, *args, env=env, name=f"serve-{fmt}-tp{tp}"), stage
-
-
-def _generate(server: Server, data: Path, out: Path, validate: bool) -> subprocess.CompletedProcess:
-    """speculators 0.9.0's `generate-offline-data`, unchanged."""
-    cmd = [sys.executable, "-c", "import sys; from speculators.__main__ import app; sys.argv[0] = 'speculators'; app()"]
-    cmd += ["generate-offline-data", "--endpoint", server.base + "/v1", "--preprocessed-data", str(data)]
-    cmd += ["--output", str(out), "--concurrency", "4", "--max-retries", "0", "--fail-on-error"]
-    cmd += ["--validate-outputs"] if validate else []
-    env = {**os.environ, "PYTHONPATH": str(_speculators())}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory, tiny_model):
-    """A prepared dataset (speculators' layout) of ROWS samples of 2..120 tokens, and hscapture's offline capture."""
-    _speculators()
-    model = tiny_model("llama", "float32")
-    rng = random.Random(11)
-    ids = [[rng.randrange(4, 1000) for _ in range(rng.randint(2, 120))] for _ in range(ROWS)]
-    root = tmp_path_factory.mktemp("connector")
-    data = root / "dataset"
-    ds = datasets.Dataset.from_dict(
-        {"input_ids": ids, "loss_mask": [[1] * len(r) for r in ids], "seq_len": [len(r) for r in ids]}
-    )
-    ds.set_format(type="torch")
-    ds.save_to_disk(str(data))
-    offline = root / "offline"
-    r = _extract(model, data, offline, "--vllm-arg", "max_num_seqs=1")
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return model, root, data, ids, offline
-
-
-def _extract(model: str, data: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "hscapture.cli.main", "extract", "--model", model, "--input", str(data)]
-    cmd += ["--out", str(out), "--layers", ",".join(map(str, LAYERS)), "--convention", "before"]
-    cmd += ["--dtype", "float32", "--max-num-batched-tokens", "32", *extra]
-    return subprocess.run(cmd, capture_output=True, text=True)
-
-
-def _hscapture(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hscapture.cli.main", *map(str, args)], capture_output=True, text=True)
-
-
-def _load(path: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
 
 
 def _check_stage_empty(stage: Path) -> None:
@@ -124,7 +45,7 @@ def _check_stage_empty(stage: Path) -> None:
 
 def _check_file_run(out: Path, ids, offline: Path, exact: bool) -> None:
     for i, row in enumerate(ids):
-        got, ref = _load(out / f"hs_{i}.safetensors"), _load(offline / "hidden_states" / f"hs_{i}.safetensors")
+        got, ref = load(out / f"hs_{i}.safetensors"), load(offline / "hidden_states" / f"hs_{i}.safetensors")
         assert got["token_ids"].tolist() == row, f"sample {i}: token ids"
         g, r = got["hidden_states"], ref["hidden_states"]
         assert g.dtype == torch.float32 and tuple(g.shape) == (len(row), 3, 128)
@@ -159,7 +80,7 @@ print(json.dumps(out))
 
 def _train_reads(data: Path, hs: Path, kind: str) -> dict:
     """speculators' training side reads the files: its transfer, its validation and its data loader's first batch."""
-    env = {**os.environ, "PYTHONPATH": str(_speculators())}
+    env = {**os.environ, "PYTHONPATH": str(speculators())}
     r = subprocess.run(
         [sys.executable, "-c", TRAINING, str(data), str(hs), kind], capture_output=True, text=True, env=env
     )
@@ -171,17 +92,17 @@ def test_file_server_equals_the_offline_capture_and_hf(prepared):
     from hscapture.testing import reference
 
     model, root, data, ids, offline = prepared
-    server, stage = _serve(root, model, "file", extra=SEQUENTIAL)
+    server, stage = serve(root, model, "file", extra=SEQUENTIAL)
     out = root / "served-file"
     with server:
-        r = _generate(server, data, out, validate=True)
+        r = generate(server, data, out, validate=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:] + server.log()
     assert sorted(p.name for p in out.iterdir()) == sorted(f"hs_{i}.safetensors" for i in range(ROWS))
     _check_stage_empty(stage)
     _check_file_run(out, ids, offline, exact=True)
     ref = reference.compute_subprocess(model, [ids[0], ids[5]], LAYERS, "before", root / "ref")
     for k, i in enumerate((0, 5)):
-        ours = _load(out / f"hs_{i}.safetensors")["hidden_states"]
+        ours = load(out / f"hs_{i}.safetensors")["hidden_states"]
         err = torch.linalg.vector_norm(ours - ref[k].float(), dim=-1) / torch.linalg.vector_norm(ref[k].float(), dim=-1)
         assert float(err.max()) < 1e-4, f"sample {i} differs from HF transformers by {float(err.max()):.2e}"
     seen = _train_reads(data, out, "file")
@@ -198,18 +119,18 @@ def test_fp8_server_stores_speculators_quantization_of_the_same_states(prepared)
     finally:
         sys.path.pop(0)
     model, root, data, ids, offline = prepared
-    server, stage = _serve(root, model, "fp8", extra=SEQUENTIAL)
+    server, stage = serve(root, model, "fp8", extra=SEQUENTIAL)
     out = root / "served-fp8"
     with server:
         # speculators 0.9.0's --validate-outputs cannot pass fp8 files (torch.aminmax has no float8 kernel): its
         # online path validates the dequantized states, as _train_reads does below.
-        r = _generate(server, data, out, validate=False)
+        r = generate(server, data, out, validate=False)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:] + server.log()
     _check_stage_empty(stage)
     for i, row in enumerate(ids):
-        got = _load(out / f"hs_{i}.safetensors")
+        got = load(out / f"hs_{i}.safetensors")
         assert got["token_ids"].tolist() == row
-        states = _load(offline / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"]
+        states = load(offline / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"]
         codes, scales = quantize_tensor_to_fp8(states)  # speculators' own quantizer on the float32 capture
         assert got["hidden_states"].dtype == torch.float8_e4m3fn and got["hidden_states_scales"].shape == (
             len(row),
@@ -233,13 +154,13 @@ def test_fp8_extract_is_verified_resumed_and_loaded_dequantized(prepared):
 
     model, root, data, ids, offline = prepared
     out = root / "offline-fp8"
-    r = _extract(model, data, out, "--format", "fp8", "--vllm-arg", "max_num_seqs=1")
+    r = extract(model, data, out, "--format", "fp8", "--vllm-arg", "max_num_seqs=1")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     m = json.loads((out / "manifest.json").read_text())
     assert (m["sample_format"], m["dtype"]) == ("fp8", "float8_e4m3fn")
     for i in (0, 9):
-        st = _load(out / "hidden_states" / f"hs_{i}.safetensors")
-        ref = _load(offline / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"]
+        st = load(out / "hidden_states" / f"hs_{i}.safetensors")
+        ref = load(offline / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"]
         s = load_sample(out / "hidden_states" / f"hs_{i}.safetensors")
         assert s["stored"] == "float8_e4m3fn" and s["hidden_states"].dtype == torch.bfloat16
         deq = (st["hidden_states"].to(torch.bfloat16) * st["hidden_states_scales"].to(torch.bfloat16)).float()
@@ -247,26 +168,26 @@ def test_fp8_extract_is_verified_resumed_and_loaded_dequantized(prepared):
         # Within the fp8 step: half an e4m3 ulp (2^-4 relative) or of its denormals, plus bf16's roundings (2^-8).
         bound = ref.abs() * (2**-4 + 2**-7) + st["hidden_states_scales"].float() * 2**-9
         assert bool(((deq - ref).abs() <= bound).all()), f"sample {i}: dequantized beyond the fp8 step"
-    v = _hscapture("verify", out)
+    v = hscapture_cli("verify", out)
     assert v.returncode == 0 and "OK" in v.stdout, v.stdout + v.stderr
     victim = out / "hidden_states" / "hs_4.safetensors"
     good = victim.read_bytes()
     header = 8 + int.from_bytes(good[:8], "little")
     at = header + json.loads(good[8:header])["hidden_states_scales"]["data_offsets"][0]
     victim.write_bytes(good[:at] + bytes(4) + good[at + 4 :])  # token 0's scale: 0.0
-    v = _hscapture("verify", out)
+    v = hscapture_cli("verify", out)
     assert v.returncode != 0 and "hs_4" in v.stdout + v.stderr and "scale" in v.stdout + v.stderr, v.stdout + v.stderr
-    r = _extract(model, data, out, "--format", "fp8", "--resume", "--vllm-arg", "max_num_seqs=1")
+    r = extract(model, data, out, "--format", "fp8", "--resume", "--vllm-arg", "max_num_seqs=1")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert victim.read_bytes() == good, "the damaged file was recaptured, bit for bit"
-    assert _hscapture("verify", out).returncode == 0
+    assert hscapture_cli("verify", out).returncode == 0
 
 
 def test_tp2_server_with_a_slow_disk_holds_each_response_s_lock(prepared):
     """TP=2, requests interleaved in steps, every file written 1.5 s late: the response names a path whose lock is
     already held (so a client that waits for it reads a whole file), and speculators' CLI gets every sample right."""
     model, root, data, ids, offline = prepared
-    server, stage = _serve(root, model, "file", tp=2, env={"HSCAPTURE_TEST_STAGING_DELAY_MS": "1500"})
+    server, stage = serve(root, model, "file", tp=2, env={"HSCAPTURE_TEST_STAGING_DELAY_MS": "1500"})
     out = root / "served-tp2"
     with server:
         probe = [5, 6, 7, 8, 9, 10, 11]
@@ -279,11 +200,11 @@ def test_tp2_server_with_a_slow_disk_holds_each_response_s_lock(prepared):
             t = time.time()
             fcntl.flock(lock, fcntl.LOCK_EX)  # as speculators' client waits
             assert path.exists(), f"the lock was released {time.time() - t:.1f} s later without the file"
-        s = _load(path)
+        s = load(path)
         assert s["token_ids"].tolist() == probe and tuple(s["hidden_states"].shape) == (len(probe), 3, 128)
         path.unlink()
         Path(str(path) + ".lock").unlink()
-        r = _generate(server, data, out, validate=True)
+        r = generate(server, data, out, validate=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:] + server.log()
     _check_stage_empty(stage)
     _check_file_run(out, ids, offline, exact=False)
@@ -293,7 +214,7 @@ def test_a_request_whose_capture_fails_gets_an_error_not_a_path(prepared):
     from faulty import MARKER
 
     model, root, data, ids, offline = prepared
-    server, stage = _serve(root, model, "file", worker="faulty.NaNInMarkedPromptWorker")
+    server, stage = serve(root, model, "file", worker="faulty.NaNInMarkedPromptWorker")
     with server:
         ok = server.complete([5, 6, 7])
         assert Path(ok["kv_transfer_params"]["hidden_states_path"]).parent == stage
@@ -327,7 +248,7 @@ def test_llm_generate_carries_the_same_contract(prepared, tmp_path):
     stage = tmp_path / "stage"
     ps = [ids[3], ids[4], ids[7]]
     env = {**os.environ, **runtime_env.cpu_defaults(1)}
-    cmd = [sys.executable, "-c", LLM_SCRIPT, str(stage), model, _connector(stage, "file"), json.dumps(ps)]
+    cmd = [sys.executable, "-c", LLM_SCRIPT, str(stage), model, connector(stage, "file"), json.dumps(ps)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT ") :])
@@ -335,5 +256,5 @@ def test_llm_generate_carries_the_same_contract(prepared, tmp_path):
         assert prompt == ids[i] and path is not None
         with open(path + ".lock", "rb") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-        s, ref = _load(Path(path)), _load(offline / "hidden_states" / f"hs_{i}.safetensors")
+        s, ref = load(Path(path)), load(offline / "hidden_states" / f"hs_{i}.safetensors")
         assert s["token_ids"].tolist() == ids[i] and torch.equal(s["hidden_states"], ref["hidden_states"])

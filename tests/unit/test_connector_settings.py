@@ -29,7 +29,13 @@ def test_the_issue_s_spelling_and_the_shorter_ones():
         ({"shared_storage_path": "/d", "fromat": "fp8"}, "unknown keys \\['fromat'\\]"),
         ({"format": "file"}, "shared_storage_path"),
         ({"shared_storage_path": "  "}, "shared_storage_path"),
-        ({"shared_storage_path": "/d", "format": "mooncake"}, "format"),
+        ({"shared_storage_path": "/d", "format": "parquet"}, "format"),
+        ({"shared_storage_path": "/d", "format": "mooncake"}, "writes no files; remove it"),
+        ({"shared_storage_path": "/d", "mooncake": {}}, 'set "format": "mooncake" or remove it'),
+        (
+            {"format": "mooncake", "mooncake": {"master_server_adress": "h:1"}},
+            "unknown keys \\['master_server_adress'\\]",
+        ),
     ],
 )
 def test_bad_extra_config_is_refused_naming_the_key(extra, match):
@@ -48,3 +54,15 @@ def test_merged_with_additional_config_and_conflicts_refused():
         from_sources({"hscapture": {"layers": [1], "convention": "before", "out": "/e"}}, {"out": "/d"})
     with pytest.raises(ConfigError, match="on_nonfinite=skip with the KV connector"):
         from_sources({"hscapture": {"layers": [1], "convention": "before", "on_nonfinite": "skip"}}, {"out": "/d"})
+
+
+def test_mooncake_takes_speculators_store_block_and_writes_no_files():
+    s = connector.settings(vc({"format": "mooncake", "mooncake": {"master_server_address": "10.0.0.2:50051"}}))
+    assert set(s) == {"mooncake"} and s["mooncake"]["master_server_address"] == "10.0.0.2:50051"
+    assert s["mooncake"]["global_segment_size"] == 4 << 30 and s["mooncake"]["protocol"] == "tcp"
+    s = connector.settings(vc({"format": "mooncake", "mooncake": {"num_writer_threads": 2}, "layers": [2]}))
+    assert s["writer_threads"] == 2 and s["layers"] == [2]
+    c = from_sources({"hscapture": {"layers": [1, 2], "convention": "before"}}, s | {"layers": [1, 2]})
+    assert (c.out, c.staging, c.writer_threads, c.mooncake["num_writer_threads"]) == (None, False, 2, 2)
+    with pytest.raises(ConfigError, match="expected no output directory"):
+        from_sources({"hscapture": {"layers": [1], "convention": "before", "out": "/e"}}, {"mooncake": {}})

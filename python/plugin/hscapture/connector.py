@@ -17,7 +17,9 @@ fails stops the engine, so the requests in flight get an error response.
 ``kv_connector_extra_config`` keys: ``shared_storage_path`` (required), ``format`` (``file``: the model's or the
 store dtype; ``fp8``), and, as shorter spellings of ``additional_config["hscapture"]``, ``layers``,
 ``convention`` and ``dtype``. Nothing of the KV cache is read or written: this connector only carries the
-contract.
+contract. A request whose ``kv_transfer_params`` set ``include_output_tokens`` gets the states of every token that
+went through a forward — its prompt and its generated tokens but the last — in one generation: the workers capture
+its decode rows too, and the scheduler sends them its token ids when it finishes (``HscaptureMetadata``).
 """
 
 from __future__ import annotations
@@ -80,6 +82,21 @@ def settings(vllm_config: Any) -> dict | None:
     return {"out": path, "format": FORMATS[fmt], **shorter}
 
 
+def include_output_tokens(params: Any) -> bool:
+    """Whether a request's ``kv_transfer_params`` ask for the states of its generated tokens too."""
+    return isinstance(params, dict) and bool(params.get("include_output_tokens", False))
+
+
+class HscaptureMetadata(KVConnectorMetadata):
+    """What the scheduler tells the workers each step: the token ids (all but the last: every token that went
+    through a forward) of the requests that capture their generated tokens and finished since the last step."""
+
+    hscapture = True  # read by vllm_compat.step_args without importing this module
+
+    def __init__(self, outputs: dict[str, list[int]] | None = None) -> None:
+        self.outputs = outputs or {}
+
+
 def hidden_states_path(out: str, request_id: str) -> str:
     """Where the workers write request ``request_id``'s sample (the same name the Rust sink gives it)."""
     return os.path.join(out, _native.staged_file_name(request_id))
@@ -95,6 +112,7 @@ class HscaptureConnector(KVConnectorBase_V1):
             raise ConfigError(f"{type(self).__name__} is configured as {vllm_config.kv_transfer_config.kv_connector!r}")
         self.out = found.get("out")
         self.packed: tuple[int, int, str] | None = None  # (layers, hidden size, dtype) of a mooncake object
+        self.outputs: dict[str, list[int]] = {}  # finished requests with generated tokens, for the next step
         if role == KVConnectorRole.SCHEDULER:
             from .early_check import capture_config, check
 
@@ -114,7 +132,10 @@ class HscaptureConnector(KVConnectorBase_V1):
         pass
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return KVConnectorMetadata()  # the workers read the scheduler output itself
+        """The workers read the scheduler output itself; this adds the token ids of the requests with generated
+        tokens that finished (reported in this same scheduler output's ``finished_req_ids``)."""
+        meta, self.outputs = HscaptureMetadata(self.outputs), {}
+        return meta
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         """The answer's ``kv_transfer_params``: where the request's states are — a file, whole once its lock (held
@@ -123,10 +144,16 @@ class HscaptureConnector(KVConnectorBase_V1):
         prompt = list(getattr(request, "prompt_token_ids", None) or ())
         if getattr(request, "num_computed_tokens", len(prompt)) < len(prompt) or not prompt:
             return False, None  # aborted before its prompt completed: no sample will exist
+        rows, mode = len(prompt), "prompt_only"
+        if include_output_tokens(getattr(request, "kv_transfer_params", None)):
+            # The last token was sampled, never an input to a forward: its state does not exist.
+            tokens = [int(t) for t in list(request.all_token_ids)[:-1]]
+            self.outputs[request.request_id] = tokens
+            rows, mode = len(tokens), "all"
         if self.packed is None:
             return False, {"hidden_states_path": hidden_states_path(self.out, request.request_id)}
         slots, width, dtype = self.packed
-        return False, json.loads(_native.packed_manifest(request.request_id, len(prompt), slots, width, dtype))
+        return False, json.loads(_native.packed_manifest(request.request_id, rows, slots, width, dtype, mode))
 
     # -- the worker side: nothing of the KV cache moves -----------------------------------------------
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

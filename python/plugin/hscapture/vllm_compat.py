@@ -111,7 +111,17 @@ def step_args(so: Any) -> tuple:
     scheduled = [(rid, int(n)) for rid, n in so.num_scheduled_tokens.items()]
     finished = list(so.finished_req_ids or ())
     preempted = list(getattr(so, "preempted_req_ids", None) or ())
-    return new, cached, scheduled, int(so.total_num_scheduled_tokens), finished, preempted
+    # Under hscapture's KV connector (its metadata rides on every scheduler output): the new requests that capture
+    # their generated tokens too, and the token ids of those that finished.
+    meta = getattr(so, "kv_connector_metadata", None)
+    with_outputs, outputs = [], []
+    if getattr(meta, "hscapture", False):
+        for r in so.scheduled_new_reqs:
+            params = (getattr(r.sampling_params, "extra_args", None) or {}).get("kv_transfer_params")
+            if isinstance(params, dict) and params.get("include_output_tokens"):
+                with_outputs.append(r.req_id)
+        outputs = [(rid, list(tokens)) for rid, tokens in meta.outputs.items()]
+    return new, cached, scheduled, int(so.total_num_scheduled_tokens), finished, preempted, with_outputs, outputs
 
 
 class RunnerOrder:

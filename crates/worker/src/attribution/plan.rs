@@ -15,6 +15,12 @@
 //!   ignored), so no sample is emitted twice;
 //! - a request that would skip prompt tokens (prefix caching) is refused with an explained error,
 //!   since the skipped tokens' states are never computed.
+//!
+//! A request that asks for its generated tokens too (`include_output_tokens`, the KV connector's) is captured at
+//! every position that goes through a forward — prompt and decode rows alike, under the same prefix and recompute
+//! rules — and completes when it finishes, with the token ids the scheduler reports for it (`StepInput::outputs`:
+//! all of its tokens but the last, which no forward computed). Rows computed beyond those (a step scheduled
+//! before the finish was known) are not part of the sample.
 
 use std::collections::{HashMap, HashSet};
 
@@ -68,6 +74,11 @@ pub struct StepInput {
     pub total_tokens: usize,
     pub finished: Vec<String>,
     pub preempted: Vec<String>,
+    /// New requests of this step that capture their generated tokens too.
+    pub with_outputs: Vec<String>,
+    /// `(req_id, token ids)` of finished requests that capture their generated tokens: every token that went
+    /// through a forward (prompt and output, all but the last).
+    pub outputs: Vec<(String, Vec<i64>)>,
 }
 
 /// Rows `src_row..src_row+len` of the step are prompt positions `dst_pos..dst_pos+len` of
@@ -83,6 +94,8 @@ pub struct Segment {
     pub arena_row: usize,
     pub dst_pos: usize,
     pub len: usize,
+    /// The request captures generated tokens too: its sample grows past `prompt_len` until it finishes.
+    pub grows: bool,
 }
 
 /// The attribution of one step.
@@ -104,8 +117,12 @@ impl StepPlan {
 /// What happened to a request when a step was committed or announced.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
-    /// All prompt rows are captured; the sample can be assembled.
+    /// All prompt rows are captured (or, for a request that captures its generated tokens, it finished): the
+    /// sample of `token_ids.len()` rows can be assembled.
     Completed { req_id: String, sample: SampleKey, token_ids: Vec<i64>, loss_mask: Option<Vec<u8>> },
+    /// A request that captures its generated tokens was registered: its sample completes only after it
+    /// finishes, so whatever must exist before its response (a file's lock) is taken now.
+    Opened { req_id: String },
     /// The request finished or was aborted before its prompt was complete; its rows are dropped.
     Aborted { req_id: String, sample: SampleKey, captured: usize, prompt_len: usize },
 }
@@ -118,6 +135,8 @@ struct Track {
     prompt_len: usize,
     captured: usize,
     done: bool,
+    /// Captures generated tokens too (see the module's doc).
+    with_outputs: bool,
 }
 
 #[derive(Debug)]
@@ -134,6 +153,8 @@ pub struct Tracker {
     reqs: HashMap<String, Track>,
     pending: Option<Pending>,
     step: u64,
+    /// Requests with generated tokens that finished at this step's start, reported at its end.
+    finished: Vec<Event>,
 }
 
 impl Tracker {
@@ -180,13 +201,45 @@ impl Tracker {
         );
         self.step += 1;
         let mut events = Vec::new();
+        let mut outputs: HashMap<&str, &Vec<i64>> = input.outputs.iter().map(|(r, t)| (r.as_str(), t)).collect();
         for id in &input.finished {
-            if let Some(t) = self.reqs.remove(id) {
-                if !t.done {
-                    events.push(Event::Aborted { req_id: id.clone(), sample: t.sample, captured: t.captured, prompt_len: t.prompt_len });
+            let Some(mut t) = self.reqs.remove(id) else { continue };
+            match outputs.remove(id.as_str()) {
+                Some(tokens) if t.with_outputs && t.captured >= t.prompt_len => {
+                    let step = self.step;
+                    let prompt_first = tokens.len() >= t.prompt_len && tokens[..t.prompt_len] == t.token_ids[..];
+                    ensure!(
+                        prompt_first && t.captured >= tokens.len(),
+                        Attribution,
+                        "step {step}: {} ({id:?}) finished with {} tokens through a forward ({} with its {}-token \
+                         prompt) and {} captured rows; expected the prompt first and a row for every token",
+                        t.sample,
+                        tokens.len(),
+                        if prompt_first { "starting" } else { "not starting" },
+                        t.prompt_len,
+                        t.captured
+                    );
+                    self.finished.push(Event::Completed {
+                        req_id: id.clone(),
+                        sample: t.sample,
+                        token_ids: tokens.clone(),
+                        loss_mask: t.loss_mask.take(),
+                    });
                 }
+                _ if !t.done => {
+                    events.push(Event::Aborted { req_id: id.clone(), sample: t.sample, captured: t.captured, prompt_len: t.prompt_len })
+                }
+                _ => {}
             }
         }
+        if let Some(id) = outputs.keys().next() {
+            bail!(
+                Attribution,
+                "step {}: output tokens arrived for request {id:?}, which did not finish in this step or does not capture                  its generated tokens",
+                self.step
+            );
+        }
+        let with_outputs: HashSet<&str> = input.with_outputs.iter().map(String::as_str).collect();
         let mut starts: HashMap<&str, usize> = HashMap::new();
         for r in &input.new_requests {
             ensure!(
@@ -217,8 +270,12 @@ impl Tracker {
                         prompt_len: r.prompt_token_ids.len(),
                         captured: 0,
                         done: false,
+                        with_outputs: with_outputs.contains(r.req_id.as_str()),
                     },
                 );
+                if with_outputs.contains(r.req_id.as_str()) {
+                    events.push(Event::Opened { req_id: r.req_id.clone() });
+                }
             }
             starts.insert(&r.req_id, r.num_computed_tokens);
         }
@@ -245,7 +302,7 @@ impl Tracker {
                     self.step
                 );
             };
-            let cap = if t.done || start >= t.prompt_len {
+            let cap = if t.done || (start >= t.prompt_len && !t.with_outputs) {
                 0
             } else {
                 ensure!(
@@ -261,7 +318,11 @@ impl Tracker {
                 );
                 // Recompute from an earlier position: rows from `start` on are captured again.
                 t.captured = start;
-                (*n).min(t.prompt_len - start)
+                if t.with_outputs {
+                    *n
+                } else {
+                    (*n).min(t.prompt_len - start)
+                }
             };
             ensure!(
                 sched.insert(id.clone(), (start, *n, cap)).is_none(),
@@ -315,6 +376,7 @@ impl Tracker {
                     arena_row: arena,
                     dst_pos: start,
                     len: cap,
+                    grows: t.with_outputs,
                 });
                 arena += cap;
             }
@@ -352,15 +414,15 @@ impl Tracker {
                 "step {step}: {rows} prompt tokens were scheduled but no decoder layer ran (no capture hook fired); \
                  the model's forward did not pass through the hooked layers"
             );
-            return Ok(Vec::new());
+            return Ok(std::mem::take(&mut self.finished));
         };
-        let mut events = Vec::new();
+        let mut events = std::mem::take(&mut self.finished);
         for s in &plan.segments {
             let Some(t) = self.reqs.get_mut(&s.req_id) else {
                 bail!(Attribution, "step {step}: request {:?} vanished during the step", s.req_id);
             };
             t.captured = s.dst_pos + s.len;
-            if t.captured == t.prompt_len {
+            if t.captured == t.prompt_len && !t.with_outputs {
                 t.done = true;
                 events.push(Event::Completed {
                     req_id: s.req_id.clone(),

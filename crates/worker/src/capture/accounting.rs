@@ -24,12 +24,15 @@ pub struct Accounting {
     poisoned: HashMap<String, String>,
     /// Samples skipped for non-finite values: (sample, request id, why).
     pub skipped: Vec<(SampleKey, String, String)>,
+    /// Requests whose rows go past their prompt (they capture generated tokens).
+    growing: HashSet<String>,
 }
 
 impl Accounting {
     /// Forgets a request that ended before its prompt was complete (its buffer is the scatter half's).
     pub fn drop_request(&mut self, req_id: &str) {
         self.poisoned.remove(req_id);
+        self.growing.remove(req_id);
     }
 
     /// Finds NaN/Inf values in the step's prompt rows. By default the first is an error naming sample,
@@ -100,6 +103,7 @@ impl Accounting {
         if cfg.assemble {
             job.segments = plan.segments.clone();
         }
+        self.growing.extend(plan.segments.iter().filter(|s| s.grows).map(|s| s.req_id.clone()));
         for e in events {
             if let Event::Completed { req_id, sample, token_ids, loss_mask } = e {
                 ensure!(
@@ -117,7 +121,8 @@ impl Accounting {
                 }
                 self.stats.samples += 1;
                 if cfg.assemble {
-                    job.completions.push(Completion { req_id, sample, token_ids, loss_mask });
+                    let grows = self.growing.remove(&req_id);
+                    job.completions.push(Completion { req_id, sample, token_ids, loss_mask, grows });
                 }
             }
         }

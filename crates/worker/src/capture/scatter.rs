@@ -24,6 +24,9 @@ pub struct Completion {
     pub sample: SampleKey,
     pub token_ids: Vec<i64>,
     pub loss_mask: Option<Vec<u8>>,
+    /// The request captured generated tokens: rows past `token_ids` (computed before its finish was known) are
+    /// not part of the sample.
+    pub grows: bool,
 }
 
 /// What one step asks of the scatter half, in order: copy `segments`, emit `completions`, recycle the
@@ -98,6 +101,9 @@ struct Work<'a> {
 /// A completed request's buffer as a sample: handed to `emit` (None returned) or returned.
 fn finish(g: Geometry, c: Completion, mut data: Vec<u8>, emit: Option<Emit<'_>>) -> CoreResult<Option<Sample>> {
     let n = c.token_ids.len();
+    if c.grows && !g.quantized && data.len() > g.sample_bytes(n) {
+        data.truncate(g.sample_bytes(n));
+    }
     ensure!(
         data.len() == g.sample_bytes(n),
         ShapeContract,
@@ -209,7 +215,7 @@ impl Scatter {
         for seg in &job.segments {
             let have = after.get(seg.req_id.as_str()).copied().unwrap_or_else(|| self.rows_held(&seg.req_id));
             ensure!(
-                seg.dst_pos <= have && seg.dst_pos + seg.len <= seg.prompt_len,
+                seg.dst_pos <= have && (seg.grows || seg.dst_pos + seg.len <= seg.prompt_len),
                 Attribution,
                 "{}: prompt rows {}..{} of {} arrived with {have} rows before them; the request's rows would have a \
                  gap (an earlier step's rows were lost)",
@@ -223,7 +229,7 @@ impl Scatter {
         for c in &job.completions {
             let have = after.get(c.req_id.as_str()).copied().unwrap_or_else(|| self.rows_held(&c.req_id));
             ensure!(
-                have == c.token_ids.len(),
+                have == c.token_ids.len() || (c.grows && have > c.token_ids.len()),
                 Attribution,
                 "{}: completed with {have} of its {} prompt rows copied; an earlier step's rows were lost",
                 c.sample,
@@ -246,10 +252,13 @@ impl Scatter {
             .segments
             .iter()
             .map(|seg| {
-                let buf = match self.bufs.remove(&seg.req_id) {
+                let mut buf = match self.bufs.remove(&seg.req_id) {
                     Some(p) => p.data,
                     None => self.pool.get(g.sample_bytes(seg.prompt_len)),
                 };
+                if seg.grows && buf.len() < g.sample_bytes(seg.dst_pos + seg.len) {
+                    buf.resize(g.sample_bytes(seg.dst_pos + seg.len), 0); // decode rows: one more per step
+                }
                 Work { seg, buf, done: completing.remove(&seg.req_id), out: None }
             })
             .collect();

@@ -46,6 +46,9 @@ impl Locks {
 
     /// Creates and locks request `req_id`'s lock file (before its response can exist).
     pub fn hold(&self, req_id: &str) -> CoreResult<()> {
+        if self.lock().contains_key(req_id) {
+            return Ok(()); // held already (a request that captures its generated tokens is held from its start)
+        }
         let path = lock_path(&self.root.join(file_name(req_id)));
         let file = OpenOptions::new()
             .read(true)

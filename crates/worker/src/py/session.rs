@@ -126,7 +126,9 @@ impl CaptureSession {
     }
 
     /// Registers a step's scheduler output; returns the reports of the device steps it accounted.
-    #[pyo3(signature = (new_requests, cached_requests, scheduled, total_tokens, finished, preempted))]
+    /// `with_outputs`: new requests that capture their generated tokens too; `outputs`: `(request id, token ids)` of
+    /// such requests finished now (every token that went through a forward).
+    #[pyo3(signature = (new_requests, cached_requests, scheduled, total_tokens, finished, preempted, with_outputs=Vec::new(), outputs=Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn begin_step(
         &mut self,
@@ -137,6 +139,8 @@ impl CaptureSession {
         total_tokens: usize,
         finished: Vec<String>,
         preempted: Vec<String>,
+        with_outputs: Vec<String>,
+        outputs: Vec<(String, Vec<i64>)>,
     ) -> PyResult<Vec<ReportTuple>> {
         guard("begin_step", || {
             let input = StepInput {
@@ -158,6 +162,8 @@ impl CaptureSession {
                 total_tokens,
                 finished,
                 preempted,
+                with_outputs,
+                outputs,
             };
             // May wait for a device step's copies, the ring or the writer: without the GIL.
             let inner = &mut self.inner;

@@ -22,11 +22,12 @@ fn step(new_reqs: Vec<NewRequest>, cached_reqs: Vec<CachedRequest>, sched: &[(&s
         total_tokens: sched.iter().map(|(_, n)| n).sum(),
         finished: vec![],
         preempted: vec![],
+        ..Default::default()
     }
 }
 
 fn seg(id: &str, sample: SampleKey, prompt_len: usize, src_row: usize, arena_row: usize, dst_pos: usize, len: usize) -> Segment {
-    Segment { req_id: id.into(), sample, prompt_len, src_row, arena_row, dst_pos, len }
+    Segment { req_id: id.into(), sample, prompt_len, src_row, arena_row, dst_pos, len, grows: false }
 }
 
 fn ids(v: &[&str]) -> Vec<String> {
@@ -163,4 +164,56 @@ fn a_step_must_end_before_the_next_begins() {
     assert!(t.begin_step(step(vec![], vec![], &[])).is_err());
     t.abandon();
     assert!(t.begin_step(step(vec![], vec![cached("a", 0)], &[("a", 3)])).is_ok());
+}
+
+fn finish(reqs: &[&str], outputs: Vec<(&str, Vec<i64>)>) -> StepInput {
+    StepInput {
+        finished: ids(reqs),
+        outputs: outputs.into_iter().map(|(r, t)| (r.to_string(), t)).collect(),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_request_with_outputs_captures_its_decode_rows_and_completes_when_it_finishes() {
+    let mut t = Tracker::new();
+    let mut first = step(vec![new("a", 3, 0, None), new("b", 2, 0, None)], vec![], &[("a", 3), ("b", 2)]);
+    first.with_outputs = ids(&["a"]);
+    let ev = t.begin_step(first).unwrap();
+    assert_eq!(ev, vec![Event::Opened { req_id: "a".into() }], "opened at once: its sample completes after its answer");
+    t.plan(&ids(&["a", "b"])).unwrap();
+    assert_eq!(completed(&t.commit().unwrap()), vec![("b".into(), SampleKey::Request("b".into()), 2)]);
+    // Two decode steps: a's rows at positions 3 and 4 are captured (and b's are not).
+    for pos in [3, 4] {
+        t.begin_step(step(vec![], vec![cached("a", pos), cached("b", pos - 1)], &[("a", 1), ("b", 1)])).unwrap();
+        let plan = t.plan(&ids(&["b", "a"])).unwrap().clone();
+        let mut want = seg("a", SampleKey::Request("a".into()), 3, 1, 0, pos, 1);
+        want.grows = true;
+        assert_eq!(plan.segments, vec![want]);
+        assert!(t.commit().unwrap().is_empty());
+    }
+    // a finished: its tokens are the 5 that went through a forward (prompt 100, 101, 102 and outputs 7, 8).
+    t.begin_step(finish(&["a", "b"], vec![("a", vec![100, 101, 102, 7, 8])])).unwrap();
+    let ev = t.commit().unwrap();
+    assert!(matches!(&ev[..], [Event::Completed { req_id, token_ids, .. }] if req_id == "a" && token_ids == &vec![100, 101, 102, 7, 8]));
+}
+
+#[test]
+fn a_finish_that_disagrees_with_the_rows_or_comes_without_tokens_is_not_a_sample() {
+    let mut t = Tracker::new();
+    let mut first = step(vec![new("a", 2, 0, None), new("b", 2, 0, None), new("c", 4, 0, None)], vec![], &[("a", 2), ("b", 2), ("c", 2)]);
+    first.with_outputs = ids(&["a", "b", "c"]);
+    t.begin_step(first).unwrap();
+    t.plan(&ids(&["a", "b", "c"])).unwrap();
+    t.commit().unwrap();
+    // b finished without its tokens (aborted): dropped; c finished mid-prompt: dropped.
+    let ev = t.begin_step(finish(&["b", "c"], vec![])).unwrap();
+    assert_eq!(ev.iter().filter(|e| matches!(e, Event::Aborted { .. })).count(), 2);
+    t.commit().unwrap();
+    // a reports 4 tokens through a forward but only 2 rows were captured.
+    let e = t.begin_step(finish(&["a"], vec![("a", vec![100, 101, 5, 6])])).unwrap_err();
+    assert!(e.message.contains("4 tokens through a forward") && e.message.contains("2 captured rows"), "{e}");
+    let mut t = Tracker::new();
+    let e = t.begin_step(finish(&[], vec![("z", vec![1])])).unwrap_err();
+    assert!(e.message.contains("did not finish in this step"), "{e}");
 }

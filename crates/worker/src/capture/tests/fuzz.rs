@@ -2,7 +2,10 @@
 //! runner order, preemption with recompute from an earlier position, aborts mid-prefill) against a
 //! simple model of the truth. Each captured row carries (request, prompt position) in its values, so a
 //! misattributed, duplicated or missing row is visible in the assembled samples. Half the cases copy
-//! rows on the assembler thread (background assembly, a ring of 2 arenas), half inline.
+//! rows on the assembler thread (background assembly, a ring of 2 arenas), half inline. Some requests capture
+//! their generated tokens too (`include_output_tokens`): their decode rows are captured under the same rules,
+//! and a finish reports every token through a forward — or, as when the finish came after one more step was
+//! scheduled, all but the last row computed.
 //!
 //! CI runs 3,000 cases; `PROPTEST_CASES=20000 cargo test -p hscapture-worker fuzz` runs
 //! longer (scripts/nightly.sh).
@@ -46,6 +49,9 @@ struct Req {
     announced: bool,
     finished: bool,
     complete_emitted: bool,
+    with_outputs: bool,
+    /// The tokens a finish reported (with outputs, finished after its prompt).
+    tokens: Option<usize>,
 }
 
 fn cases() -> u32 {
@@ -56,7 +62,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
 
     #[test]
-    fn attribution_matches_the_truth((lens, ops) in ops(), background in any::<bool>()) {
+    fn attribution_matches_the_truth((lens, ops) in ops(), background in any::<bool>(), outs in any::<u8>(), lags in any::<u8>()) {
         let mut s = Session::new(SessionConfig {
             layers: LayerPlan::new(&[0], Convention::After, 2).unwrap(),
             hidden_size: W,
@@ -68,14 +74,22 @@ proptest! {
             s.set_background(2).unwrap();
         }
         let mut collected = Vec::new();
-        let mut reqs: Vec<Req> = lens.iter().map(|&len| Req { len, computed: 0, announced: false, finished: false, complete_emitted: false }).collect();
+        let mut reqs: Vec<Req> = lens.iter().enumerate().map(|(r, &len)| Req { len, computed: 0, announced: false, finished: false, complete_emitted: false, with_outputs: outs >> r & 1 == 1, tokens: None }).collect();
         let mut emitted: Vec<u64> = Vec::new();
         let mut pending_finished: Vec<String> = Vec::new();
         for op in ops {
+            let mut outputs = Vec::new();
             if let Some(r) = op.abort {
                 if reqs[r].announced && !reqs[r].finished {
                     reqs[r].finished = true;
                     pending_finished.push(format!("r{r}"));
+                    let q = &mut reqs[r];
+                    if q.with_outputs && q.computed >= q.len {
+                        let lag = lags >> r & 1 == 1 && q.computed > q.len; // one more row ran than the finish reports
+                        let n = q.computed - usize::from(lag);
+                        q.tokens = Some(n);
+                        outputs.push((format!("r{r}"), (0..n as i64).collect::<Vec<i64>>()));
+                    }
                 }
             }
             if let Some((r, back)) = op.preempt {
@@ -84,6 +98,7 @@ proptest! {
                 }
             }
             let mut new_requests = Vec::new();
+            let mut with_outputs = Vec::new();
             let mut cached = Vec::new();
             let mut sched: Vec<(String, usize)> = Vec::new();
             let mut seen = std::collections::HashSet::new();
@@ -98,6 +113,9 @@ proptest! {
                 } else {
                     new_requests.push(NewRequest { req_id: id.clone(), prompt_token_ids: (0..reqs[r].len as i64).collect(), num_computed_tokens: 0, sample: Some(r as u64), loss_mask: None });
                     reqs[r].announced = true;
+                    if reqs[r].with_outputs {
+                        with_outputs.push(id.clone());
+                    }
                 }
                 let n = if start >= reqs[r].len { 1 } else { k.min(reqs[r].len - start) };
                 sched.push((id, n));
@@ -111,7 +129,7 @@ proptest! {
                 seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 order.swap(i, (seed >> 33) as usize % (i + 1));
             }
-            let input = StepInput { new_requests, cached_requests: cached, num_scheduled: sched.clone(), total_tokens: total, finished: std::mem::take(&mut pending_finished), preempted: vec![] };
+            let input = StepInput { new_requests, cached_requests: cached, num_scheduled: sched.clone(), total_tokens: total, finished: std::mem::take(&mut pending_finished), preempted: vec![], with_outputs, outputs };
             s.begin_step(input).unwrap();
             if total > 0 {
                 s.plan(&order).unwrap();
@@ -142,7 +160,8 @@ proptest! {
                 prop_assert!(!reqs[r].complete_emitted, "request {} emitted twice", r);
                 reqs[r].complete_emitted = true;
                 emitted.push(r as u64);
-                prop_assert_eq!(smp.rows, reqs[r].len);
+                prop_assert_eq!(smp.rows, reqs[r].tokens.unwrap_or(reqs[r].len));
+                prop_assert_eq!(smp.token_ids.len(), smp.rows);
                 for pos in 0..smp.rows {
                     let v = f32::from_le_bytes(smp.cell(pos, 0)[..4].try_into().unwrap());
                     prop_assert_eq!(v, (r * 1000 + pos) as f32, "request {} position {}", r, pos);
@@ -154,7 +173,9 @@ proptest! {
             if q.complete_emitted {
                 prop_assert!(q.announced);
             }
-            if !q.finished && q.announced && q.computed >= q.len {
+            if q.with_outputs {
+                prop_assert_eq!(q.complete_emitted, q.tokens.is_some(), "request {} with outputs: emitted iff it finished after its prompt", r);
+            } else if !q.finished && q.announced && q.computed >= q.len {
                 prop_assert!(q.complete_emitted, "request {} computed its prompt but was not emitted", r);
             }
         }

@@ -37,6 +37,22 @@ print("READ", len(items))
 """
 
 
+READ_ONE = """
+import json, sys
+from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
+master, manifest = sys.argv[1], json.loads(sys.argv[2])
+store = MooncakeHiddenStatesStore(MooncakeStoreConfig(local_hostname="127.0.0.1", master_server_address=master,
+                                                      global_segment_size=0, local_buffer_size=16 << 20)).setup()
+print("GOT", store.get_sample(manifest, timeout=30)["token_ids"].tolist())
+"""
+
+
+def read_one(master, manifest: dict) -> subprocess.CompletedProcess:
+    """speculators' reader, in its own process: the object of `manifest`'s token ids."""
+    cmd = [sys.executable, "-c", READ_ONE, master.address, json.dumps(manifest)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=client_env(), timeout=300)
+
+
 def store_settings(master) -> dict:
     """The server's Mooncake block: speculators' names; a small segment of its own for this test."""
     return {
@@ -63,6 +79,15 @@ def test_speculators_online_training_reads_the_server_s_objects(prepared, tmp_pa
             r = subprocess.run(cmd, capture_output=True, text=True, env=client_env(), timeout=900)
             assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:] + server.log()
             probe = server.complete(ids[2])["kv_transfer_params"]
+            # Prompt and response in one pass: the object holds every token through a forward.
+            body = {"model": model, "prompt": ids[3], "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+            body |= {"return_token_ids": True, "kv_transfer_params": {"include_output_tokens": True}}
+            status, answer = server.post("/v1/completions", body)
+            assert status == 200, answer
+            generated, manifest = answer["choices"][0]["token_ids"], answer["kv_transfer_params"]
+            assert manifest["metadata"]["extract_mode"] == "all"
+            r = read_one(master, manifest)
+            assert r.returncode == 0 and f"GOT {ids[3] + generated[:-1]}" in r.stdout, r.stdout + r.stderr[-3000:]
     items = torch.load(out, weights_only=True)
     assert len(items) == len(ids)
     for i, (item, row) in enumerate(zip(items, ids, strict=True)):
@@ -81,29 +106,13 @@ def test_speculators_online_training_reads_the_server_s_objects(prepared, tmp_pa
     }
 
 
-READ_ONE = """
-import json, sys
-from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
-master, manifest = sys.argv[1], json.loads(sys.argv[2])
-store = MooncakeHiddenStatesStore(MooncakeStoreConfig(local_hostname="127.0.0.1", master_server_address=master,
-                                                      global_segment_size=0, local_buffer_size=16 << 20)).setup()
-print("GOT", store.get_sample(manifest, timeout=30)["token_ids"].tolist())
-"""
-
-
 def test_a_master_that_dies_ends_in_failed_requests_and_a_clear_error(prepared, tmp_path):
     model, root, data, ids, offline = prepared
     with mm.master(tmp_path / "master.log") as master:
         server, _ = serve(tmp_path, model, "mooncake", env=mm.CLIENT_ENV, mooncake=store_settings(master))
         with server:
             manifest = server.complete(ids[0])["kv_transfer_params"]
-            r = subprocess.run(
-                [sys.executable, "-c", READ_ONE, master.address, json.dumps(manifest)],
-                capture_output=True,
-                text=True,
-                env=client_env(),
-                timeout=300,
-            )
+            r = read_one(master, manifest)
             assert r.returncode == 0 and f"GOT {ids[0]}" in r.stdout, r.stderr[-3000:]
             master.kill()
             t, answers, body = time.time(), [], {}

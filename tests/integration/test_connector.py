@@ -88,6 +88,7 @@ def _train_reads(data: Path, hs: Path, kind: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.newest
 def test_file_server_equals_the_offline_capture_and_hf(prepared):
     from hscapture.testing import reference
 
@@ -243,6 +244,7 @@ print("RESULT " + json.dumps([[o.prompt_token_ids, (o.kv_transfer_params or {}).
 """
 
 
+@pytest.mark.newest
 def test_llm_generate_carries_the_same_contract(prepared, tmp_path):
     model, root, data, ids, offline = prepared
     stage = tmp_path / "stage"

@@ -22,6 +22,7 @@ def test_wrong_capture_is_caught(tmp_path, tiny_model, worker):
     assert cmp.worst > 0.05
 
 
+@pytest.mark.newest
 def test_tp_ranks_that_disagree_are_named(tmp_path, tiny_model):
     from hscapture import RankMismatchError
 

@@ -48,6 +48,7 @@ def wait_for_files(out, n, proc, limit=240):
     assert len(files(out)) >= n, f"the run wrote {len(files(out))} files before the deadline"
 
 
+@pytest.mark.newest
 def test_a_killed_engine_fails_the_driver_with_its_signal(tmp_path, tiny_model):
     inp, _ = long_input(tmp_path)
     out = tmp_path / "out"

@@ -67,6 +67,7 @@ def client_env() -> dict:
     return {**os.environ, **mm.CLIENT_ENV, "PYTHONPATH": str(speculators())}
 
 
+@pytest.mark.newest
 def test_speculators_online_training_reads_the_server_s_objects(prepared, tmp_path):
     model, root, data, ids, offline = prepared
     with mm.master(tmp_path / "master.log") as master:

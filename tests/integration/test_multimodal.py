@@ -15,7 +15,7 @@ from helpers import TOL, extract, prompts
 from hscapture.testing.compare import compare
 from hscapture.worker import CaptureWorker
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.newest]
 
 LAYERS = [1, 2, 4]  # before convention: the inputs of decoder layers 1 and 2, the last layer's output (pre-norm)
 DEPTH, TEXT_HIDDEN, VISION_HIDDEN = 4, 128, 64

@@ -9,7 +9,7 @@ from helpers import TOL, assert_matches_reference, extract, prompts, reference
 from hscapture.testing.compare import compare
 from support import MOE_FLOAT32_REASON, moe_float32_runs
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.newest]
 
 CASES = [
     # model, tp, convention, layers

@@ -15,7 +15,7 @@ import pytest
 import torch
 from connector_support import LAYERS, load, serve
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.newest]
 
 
 def ask(server, prompt: list[int], max_tokens: int, outputs: bool) -> tuple[list[int], list[int], Path]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from helpers import assert_matches_reference, extract, prompts
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.newest]
 
 
 def _needs_stage_buffer_shim() -> bool:

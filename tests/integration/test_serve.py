@@ -13,7 +13,7 @@ from server import Server
 
 from hscapture import load_sample
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.newest]
 
 
 def test_vllm_serve_captures_each_request(tmp_path, tiny_model):

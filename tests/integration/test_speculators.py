@@ -70,6 +70,7 @@ def samples(path: Path, ps) -> list[dict]:
     return out
 
 
+@pytest.mark.newest
 @pytest.mark.parametrize("tp", [1, 2])
 def test_speculators_040_parity(tmp_path, tiny_model, tp):
     spec = need("0.4.0")

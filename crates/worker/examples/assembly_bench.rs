@@ -51,6 +51,7 @@ fn run(out: PathBuf, background: bool, steps: usize, fwd: Duration, reqs: usize,
         durable: false,
         staging: false,
         staging_delay: std::time::Duration::ZERO,
+        store: None,
     };
     // The worker's own path: the session feeding the writer (from the assembler thread, in the background).
     let mut s = WorkerSession::new(cfg, settings)?;

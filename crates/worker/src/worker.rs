@@ -19,7 +19,7 @@ use crate::output::record::{Identity, SampleRecord};
 use crate::output::sample::Sample;
 use crate::output::sink::{FileSink, Layout};
 use crate::output::staging::Locks;
-use crate::output::store::{ObjectStore, Settled, StoreSink};
+use crate::output::store::{ObjectStore, StoreSink};
 use crate::output::writer::{Writer, WriterConfig};
 use crate::{ensure, error::CoreResult};
 
@@ -82,8 +82,6 @@ pub struct WorkerSession {
     /// The format's name (`format.rs`).
     format: &'static str,
     aborted: Vec<Aborted>,
-    /// The store sink's settled requests, when samples go to an object store.
-    settled: Option<Arc<Settled>>,
 }
 
 /// The identity of a capture of `cfg` stored in `format` as `out` says.
@@ -129,15 +127,13 @@ impl WorkerSession {
         let id = identity(&cfg, &out, format.as_ref());
         let assemble = cfg.assemble;
         let mut session = Session::with_failure(cfg, failure.clone())?;
-        let wcfg = WriterConfig { threads: out.threads, queue: out.queue, pool: Some(session.pool()) };
-        let mut settled = None;
+        // A capture directory lists its files; per-request files and objects belong to the client (no ledger to
+        // grow for as long as a server runs).
+        let keep_records = !into_store && !out.staging;
+        let wcfg = WriterConfig { threads: out.threads, queue: out.queue, pool: Some(session.pool()), keep_records };
         let output = match (assemble, &out.root, &out.store) {
             (false, _, _) => Output::Nothing,
-            (true, None, Some(store)) => {
-                let sink = StoreSink::new(Arc::clone(&store.0));
-                settled = Some(sink.settled());
-                Output::Files(Writer::start(Arc::new(sink), wcfg, failure)?)
-            }
+            (true, None, Some(store)) => Output::Files(Writer::start(Arc::new(StoreSink::new(Arc::clone(&store.0))), wcfg, failure)?),
             (true, None, None) => Output::Memory(Vec::new()),
             (true, Some(root), _) => {
                 let layout = if out.staging {
@@ -152,7 +148,7 @@ impl WorkerSession {
                 Output::Files(Writer::start(sink, wcfg, failure)?)
             }
         };
-        Ok(WorkerSession { session, output, format: format_name, aborted: Vec::new(), settled })
+        Ok(WorkerSession { session, output, format: format_name, aborted: Vec::new() })
     }
 
     pub fn session(&self) -> &Session {
@@ -249,12 +245,6 @@ impl WorkerSession {
     /// Requests that ended before their prompt was complete, since the last call.
     pub fn take_aborted(&mut self) -> Vec<Aborted> {
         std::mem::take(&mut self.aborted)
-    }
-
-    /// Requests whose object is stored (or its failure marker left) since the last call; empty unless samples go
-    /// to an object store.
-    pub fn take_settled(&self) -> Vec<String> {
-        self.settled.as_ref().map(|s| s.take()).unwrap_or_default()
     }
 
     /// Records of the files written so far (removed from the writer).

@@ -66,13 +66,17 @@ def settings(vllm_config: Any) -> dict | None:
         from . import mooncake
 
         if "shared_storage_path" in extra:
-            raise ConfigError(f'{where}["shared_storage_path"] is set with format "mooncake", which writes no files; remove it')
+            raise ConfigError(
+                f'{where}["shared_storage_path"] is set with format "mooncake", which writes no files; remove it'
+            )
         store = mooncake.settings(extra.get("mooncake"), f'{where}["mooncake"]')
         if "num_writer_threads" in (extra.get("mooncake") or {}):  # speculators' name for the writer's threads
             shorter["writer_threads"] = store["num_writer_threads"]
         return {"mooncake": store, **shorter}
     if "mooncake" in extra:
-        raise ConfigError(f'{where}["mooncake"] is set, but the format is {fmt!r}; set "format": "mooncake" or remove it')
+        raise ConfigError(
+            f'{where}["mooncake"] is set, but the format is {fmt!r}; set "format": "mooncake" or remove it'
+        )
     path = extra.get("shared_storage_path")
     if not isinstance(path, str) or not path.strip():
         raise ConfigError(

@@ -57,7 +57,11 @@ def settings(given: Any, where: str) -> dict[str, Any]:
         raise ConfigError(f"{where} has unknown keys {sorted(unknown)}; Mooncake's settings are {sorted(DEFAULTS)}")
     out = {**DEFAULTS, **given}  # num_writer_threads, when given, is the writer's thread count (connector.py)
     for key in _INTS:
-        if isinstance(out[key], bool) or not isinstance(out[key], int) or out[key] < (1 if key == "num_writer_threads" else 0):
+        if (
+            isinstance(out[key], bool)
+            or not isinstance(out[key], int)
+            or out[key] < (1 if key == "num_writer_threads" else 0)
+        ):
             raise ConfigError(f'{where}["{key}"] is {out[key]!r}; expected a non-negative integer (bytes or threads)')
     for key in _TEXTS:
         if not isinstance(out[key], str):
@@ -160,4 +164,3 @@ class Store:
         client, self.client = self.client, None
         if client is not None:
             client.close()
-

@@ -56,7 +56,8 @@ impl PackedLayout {
     /// the request and the model).
     pub fn of(rows: usize, slots: usize, width: usize, dtype: DType) -> CoreResult<PackedLayout> {
         let overflow = || core_err!(Config, "a packed sample of [{rows}, {slots}, {width}] {dtype} overflows the address space");
-        let states_bytes = rows.checked_mul(slots).and_then(|v| v.checked_mul(width)).and_then(|v| v.checked_mul(dtype.size())).ok_or_else(overflow)?;
+        let states_bytes =
+            rows.checked_mul(slots).and_then(|v| v.checked_mul(width)).and_then(|v| v.checked_mul(dtype.size())).ok_or_else(overflow)?;
         let tokens_offset = align(states_bytes).ok_or_else(overflow)?;
         let tokens_bytes = rows.checked_mul(8).ok_or_else(overflow)?;
         let total = tokens_offset.checked_add(tokens_bytes).and_then(align).ok_or_else(overflow)?;

@@ -8,7 +8,7 @@
 //! (the engine stops, so later requests fail too): the trainer is never left waiting on a manifest whose object
 //! will not come.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use crate::output::packed::{encode, error_key, key_of};
 use crate::output::record::{file_checksum, SampleRecord};
@@ -22,36 +22,16 @@ pub trait ObjectStore: Send + Sync {
     fn put(&self, key: &str, bytes: &[u8]) -> CoreResult<()>;
 }
 
-/// Request ids whose put is over (stored, or failed with its marker left): what the connector reports finished.
-#[derive(Default, Debug)]
-pub struct Settled(Mutex<Vec<String>>);
-
-impl Settled {
-    fn push(&self, req_id: &str) {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).push(req_id.to_string());
-    }
-
-    /// The request ids settled since the last call.
-    pub fn take(&self) -> Vec<String> {
-        std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()))
-    }
-}
-
 /// Longest error text a marker carries (the reader's limit).
 const MARKER_TEXT: usize = 4096;
 
 pub struct StoreSink {
     store: Arc<dyn ObjectStore>,
-    settled: Arc<Settled>,
 }
 
 impl StoreSink {
     pub fn new(store: Arc<dyn ObjectStore>) -> StoreSink {
-        StoreSink { store, settled: Arc::default() }
-    }
-
-    pub fn settled(&self) -> Arc<Settled> {
-        Arc::clone(&self.settled)
+        StoreSink { store }
     }
 
     /// Leaves `error` under `key`'s marker; says in the error whether the marker could be left too.
@@ -69,9 +49,7 @@ impl StoreSink {
 impl Sink for StoreSink {
     fn put(&self, sample: &Sample) -> CoreResult<SampleRecord> {
         let key = key_of(&sample.req_id);
-        let stored = encode(sample).and_then(|object| self.store.put(&key, &object).map(|()| object)).map_err(|e| self.fail(&key, e));
-        self.settled.push(&sample.req_id); // after the object or its marker is there
-        let object = stored?;
+        let object = encode(sample).and_then(|object| self.store.put(&key, &object).map(|()| object)).map_err(|e| self.fail(&key, e))?;
         Ok(SampleRecord {
             index: None,
             request_id: Some(sample.req_id.clone()),

@@ -30,6 +30,8 @@ pub struct WriterConfig {
     pub queue: usize,
     /// Where written samples' buffers go back for reuse.
     pub pool: Option<Arc<BufferPool>>,
+    /// Keep each written sample's record for `take_records` (a capture directory's ledger).
+    pub keep_records: bool,
 }
 
 #[derive(Default)]
@@ -114,6 +116,7 @@ impl Writer {
         let mut handles = Vec::new();
         for t in 0..cfg.threads.max(1) {
             let (rx, state, sink, pool) = (rx.clone(), Arc::clone(&state), Arc::clone(&sink), cfg.pool.clone());
+            let keep = cfg.keep_records;
             let h = std::thread::Builder::new()
                 .name(format!("hscapture-writer-{t}"))
                 .spawn(move || {
@@ -125,7 +128,8 @@ impl Writer {
                         }
                         let mut g = lock(&state.shared);
                         match r {
-                            Ok(rec) => g.records.push(rec),
+                            Ok(rec) if keep => g.records.push(rec),
+                            Ok(_) => {}
                             Err(e) => {
                                 state.failure.report(ORIGIN, e);
                             }

@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
 
 use super::errors::guard;
+use super::store::PyStore;
 use super::tensor::{describe, parse_dtype};
 use crate::attribution::layers::{Convention, LayerPlan};
 use crate::attribution::plan::{CachedRequest, NewRequest, SampleKey, StepInput};
@@ -15,7 +16,6 @@ use crate::capture::session::SessionConfig;
 use crate::output::record::SampleRecord;
 use crate::ranks::checksums::verify_replicated;
 use crate::worker::{OutputSettings, StepReport, StoreHandle, WorkerSession};
-use super::store::PyStore;
 use std::sync::Arc;
 
 /// `(request id, prompt token ids, computed tokens, sample index, loss mask)`.
@@ -345,11 +345,6 @@ impl CaptureSession {
         guard("take_aborted", || {
             Ok(self.inner.take_aborted().into_iter().map(|a| (a.req_id, key_str(&a.sample), a.captured, a.prompt_len)).collect())
         })
-    }
-
-    /// Requests whose object is in the store (or its failure marker) since the last call (`output/store.rs`).
-    fn take_settled(&self) -> PyResult<Vec<String>> {
-        guard("take_settled", || Ok(self.inner.take_settled()))
     }
 
     /// Records of files written so far (removed from the session).

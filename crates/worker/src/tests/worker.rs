@@ -125,7 +125,7 @@ impl crate::output::store::ObjectStore for MemoryStore {
 }
 
 #[test]
-fn samples_go_to_an_object_store_as_packed_objects_and_settle() {
+fn samples_go_to_an_object_store_as_packed_objects() {
     use crate::output::packed::PackedLayout;
     let store = std::sync::Arc::new(MemoryStore::default());
     let mut o = out(None);
@@ -133,11 +133,7 @@ fn samples_go_to_an_object_store_as_packed_objects_and_settle() {
     let mut w = WorkerSession::new(cfg(true), o).unwrap();
     step(&mut w, 0);
     step(&mut w, 1);
-    let recs = w.drain().unwrap();
-    assert_eq!(recs.len(), 2);
-    let mut settled = w.take_settled();
-    settled.sort();
-    assert_eq!(settled, ["r0", "r1"]);
+    assert!(w.drain().unwrap().is_empty(), "no ledger: the objects are the client's");
     let total = PackedLayout::of(3, 1, 2, DType::F32).unwrap().total;
     let mut put = store.0.lock().unwrap().clone();
     put.sort();

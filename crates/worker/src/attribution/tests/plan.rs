@@ -167,11 +167,7 @@ fn a_step_must_end_before_the_next_begins() {
 }
 
 fn finish(reqs: &[&str], outputs: Vec<(&str, Vec<i64>)>) -> StepInput {
-    StepInput {
-        finished: ids(reqs),
-        outputs: outputs.into_iter().map(|(r, t)| (r.to_string(), t)).collect(),
-        ..Default::default()
-    }
+    StepInput { finished: ids(reqs), outputs: outputs.into_iter().map(|(r, t)| (r.to_string(), t)).collect(), ..Default::default() }
 }
 
 #[test]

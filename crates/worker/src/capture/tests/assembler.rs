@@ -28,7 +28,13 @@ fn a_sample_completes_through_the_thread() {
     let job = ScatterJob {
         step: 1,
         segments: vec![seg("r", 0, 3, 3)],
-        completions: vec![Completion { req_id: "r".into(), sample: SampleKey::Index(0), token_ids: vec![1, 2, 3], loss_mask: None, grows: false }],
+        completions: vec![Completion {
+            req_id: "r".into(),
+            sample: SampleKey::Index(0),
+            token_ids: vec![1, 2, 3],
+            loss_mask: None,
+            grows: false,
+        }],
         discard: vec![],
     };
     a.submit(job, StepBuffer::Arena(arena(3))).unwrap();
@@ -45,7 +51,13 @@ fn an_error_on_the_thread_is_reported_and_the_buffer_still_comes_back() {
     // A completion whose rows were never scattered: the prefix check fails on the thread.
     let job = ScatterJob {
         step: 4,
-        completions: vec![Completion { req_id: "ghost".into(), sample: SampleKey::Index(9), token_ids: vec![1, 2], loss_mask: None, grows: false }],
+        completions: vec![Completion {
+            req_id: "ghost".into(),
+            sample: SampleKey::Index(9),
+            token_ids: vec![1, 2],
+            loss_mask: None,
+            grows: false,
+        }],
         ..Default::default()
     };
     a.submit(job, StepBuffer::Arena(arena(1))).unwrap();

@@ -32,7 +32,13 @@ fn step(n: usize, len: usize) -> (Arena, ScatterJob) {
             grows: false,
         });
         if r % 2 == 0 {
-            job.completions.push(Completion { req_id: id, sample: SampleKey::Index(r as u64), token_ids: vec![0; len], loss_mask: None, grows: false });
+            job.completions.push(Completion {
+                req_id: id,
+                sample: SampleKey::Index(r as u64),
+                token_ids: vec![0; len],
+                loss_mask: None,
+                grows: false,
+            });
         }
     }
     job.completions.reverse(); // an order the segments do not have
@@ -91,14 +97,28 @@ fn a_request_whose_earlier_rows_were_lost_is_refused_before_anything_is_copied()
         a.reset(2);
         a
     };
-    let seg =
-        |dst_pos| Segment { req_id: "a".into(), sample: SampleKey::Index(0), prompt_len: 6, src_row: 0, arena_row: 0, dst_pos, len: 2, grows: false };
+    let seg = |dst_pos| Segment {
+        req_id: "a".into(),
+        sample: SampleKey::Index(0),
+        prompt_len: 6,
+        src_row: 0,
+        arena_row: 0,
+        dst_pos,
+        len: 2,
+        grows: false,
+    };
     let mut s = scatter();
     s.run(ScatterJob { step: 1, segments: vec![seg(0)], ..Default::default() }, &rows, None).unwrap();
     let last = ScatterJob {
         step: 3,
         segments: vec![seg(4)],
-        completions: vec![Completion { req_id: "a".into(), sample: SampleKey::Index(0), token_ids: vec![0; 6], loss_mask: None, grows: false }],
+        completions: vec![Completion {
+            req_id: "a".into(),
+            sample: SampleKey::Index(0),
+            token_ids: vec![0; 6],
+            loss_mask: None,
+            grows: false,
+        }],
         ..Default::default()
     };
     let e = s.run(last.clone(), &rows, None).unwrap_err();
@@ -112,7 +132,13 @@ fn a_request_whose_earlier_rows_were_lost_is_refused_before_anything_is_copied()
     let short = ScatterJob {
         step: 4,
         segments: vec![seg(0)],
-        completions: vec![Completion { req_id: "a".into(), sample: SampleKey::Index(0), token_ids: vec![0; 6], loss_mask: None, grows: false }],
+        completions: vec![Completion {
+            req_id: "a".into(),
+            sample: SampleKey::Index(0),
+            token_ids: vec![0; 6],
+            loss_mask: None,
+            grows: false,
+        }],
         ..Default::default()
     };
     assert!(s.run(short, &rows, None).unwrap_err().message.contains("completed with 2 of its 6 prompt rows"));

@@ -46,7 +46,8 @@ fn an_object_holds_the_states_then_the_token_ids_at_their_offsets() {
     assert_eq!(o.len(), l.total);
     assert_eq!(&o[..l.states_bytes], &s.data[..]);
     assert!(o[l.states_bytes..l.tokens_offset].iter().all(|b| *b == 0), "padding is zeros");
-    let ids: Vec<i64> = o[l.tokens_offset..l.tokens_offset + l.tokens_bytes].chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect();
+    let ids: Vec<i64> =
+        o[l.tokens_offset..l.tokens_offset + l.tokens_bytes].chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect();
     assert_eq!(ids, s.token_ids);
 }
 

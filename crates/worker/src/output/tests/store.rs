@@ -3,6 +3,7 @@ use crate::attribution::plan::SampleKey;
 use crate::output::packed::PackedLayout;
 use hscapture_kernels::DType;
 use std::collections::HashMap;
+use std::sync::Mutex;
 
 /// An in-memory store that refuses the keys it is told to.
 #[derive(Default)]
@@ -37,7 +38,7 @@ fn sample(req: &str, rows: usize) -> Sample {
 }
 
 #[test]
-fn a_sample_is_one_object_under_its_request_s_key_and_settles() {
+fn a_sample_is_one_object_under_its_request_s_key() {
     let mem = Arc::new(Memory::default());
     let sink = StoreSink::new(mem.clone());
     let rec = sink.put(&sample("1-a.b", 3)).unwrap();
@@ -47,8 +48,6 @@ fn a_sample_is_one_object_under_its_request_s_key_and_settles() {
     let object = &objects["k1-a_b"];
     assert_eq!(object.len(), PackedLayout::of(3, 2, 4, DType::BF16).unwrap().total);
     assert_eq!(rec.bytes, object.len() as u64);
-    assert_eq!(sink.settled().take(), vec!["1-a.b".to_string()]);
-    assert!(sink.settled().take().is_empty());
 }
 
 #[test]
@@ -57,7 +56,6 @@ fn a_failed_put_leaves_its_marker_and_fails() {
     let sink = StoreSink::new(mem.clone());
     let e = sink.put(&sample("r-full", 2)).unwrap_err();
     assert!(e.message.contains("not stored") && e.message.contains("-200") && e.message.contains("r-full:error"), "{e}");
-    assert_eq!(sink.settled().take(), vec!["r-full".to_string()]);
     // the marker could not be stored either (the same refusal): the error says what the trainer will see
     let objects = mem.objects.lock().unwrap();
     assert!(objects.is_empty());

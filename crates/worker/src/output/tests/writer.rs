@@ -35,7 +35,7 @@ fn identity() -> Identity {
 
 fn writer(root: &std::path::Path, threads: usize, queue: usize) -> Writer {
     let sink = Arc::new(FileSink::open(root, by_name("hscapture", None).unwrap(), identity(), false).unwrap());
-    Writer::start(sink, WriterConfig { threads, queue, pool: None }, Failure::new()).unwrap()
+    Writer::start(sink, WriterConfig { threads, queue, pool: None, keep_records: true }, Failure::new()).unwrap()
 }
 
 #[test]

@@ -1,16 +1,32 @@
-"""Fixtures of the integration tests that several modules share (computed once per session)."""
+"""Integration tests: real vLLM on CPU, real tiny models, real files, HF transformers as the oracle."""
 
 from __future__ import annotations
 
-import random
+import os
+import sys
+from pathlib import Path
 
 import pytest
-from connector_support import ROWS, extract, speculators
+
+pytest.importorskip("vllm", reason="integration tests need vLLM (run scripts/setup.sh)")
+
+HERE = Path(__file__).resolve().parent
+
+# Workers are spawned processes: let them import the test-only worker classes in this folder.
+os.environ["PYTHONPATH"] = str(HERE) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory, tiny_model):
-    """A prepared dataset (speculators' layout) of ROWS samples of 2..120 tokens, and hscapture's offline capture."""
+    """A prepared dataset (speculators' layout) of ROWS samples of 2..120 tokens, and hscapture's offline capture
+    (shared by the connector and Mooncake tests)."""
+    import random
+
+    from connector_support import ROWS, extract, speculators
+
     speculators()
     datasets = pytest.importorskip("datasets", reason="the prepared dataset needs `datasets` (scripts/setup.sh)")
     model = tiny_model("llama", "float32")

@@ -82,6 +82,8 @@ pub struct WorkerSession {
     /// The format's name (`format.rs`).
     format: &'static str,
     aborted: Vec<Aborted>,
+    /// A staging directory's locks (per-request files): those of aborted requests are given up.
+    locks: Option<Arc<Locks>>,
 }
 
 /// The identity of a capture of `cfg` stored in `format` as `out` says.
@@ -127,6 +129,7 @@ impl WorkerSession {
         let id = identity(&cfg, &out, format.as_ref());
         let assemble = cfg.assemble;
         let mut session = Session::with_failure(cfg, failure.clone())?;
+        let mut staged = None;
         // A capture directory lists its files; per-request files and objects belong to the client (no ledger to
         // grow for as long as a server runs).
         let keep_records = !into_store && !out.staging;
@@ -140,6 +143,7 @@ impl WorkerSession {
                     let locks = Arc::new(Locks::new(root, out.staging_delay));
                     let held = Arc::clone(&locks);
                     session.set_completion_hook(Arc::new(move |req: &str| held.hold(req)));
+                    staged = Some(Arc::clone(&locks));
                     Layout::Staging(locks)
                 } else {
                     Layout::Capture
@@ -148,7 +152,7 @@ impl WorkerSession {
                 Output::Files(Writer::start(sink, wcfg, failure)?)
             }
         };
-        Ok(WorkerSession { session, output, format: format_name, aborted: Vec::new() })
+        Ok(WorkerSession { session, output, format: format_name, aborted: Vec::new(), locks: staged })
     }
 
     pub fn session(&self) -> &Session {
@@ -191,7 +195,13 @@ impl WorkerSession {
         for mut out in outs {
             reports.push(StepReport { step: out.step, checksum: out.checksum, rows: out.rows, completed: out.completed.len() });
             ready.append(&mut out.completed);
-            self.aborted.append(&mut out.aborted);
+            if let Some(locks) = &self.locks {
+                out.aborted.iter().for_each(|a| locks.abandon(&a.req_id));
+            }
+            // A server's aborted requests are nobody's to report (and would pile up for as long as it runs).
+            if self.locks.is_none() && self.format != STORE_FORMAT {
+                self.aborted.append(&mut out.aborted);
+            }
         }
         match &mut self.output {
             Output::Files(w) => ready.into_iter().try_for_each(|s| w.submit(s))?,

@@ -144,14 +144,15 @@ class HscaptureConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         """The answer's ``kv_transfer_params``: where the request's states are — a file, whole once its lock (held
         from the step the prompt completed in) is released; or a Mooncake object's transfer manifest (the object,
-        or its error marker, appears once the put is over). None for a request whose prompt was not computed."""
+        or its error marker, appears once the put is over). None for a request with generated tokens that ended
+        before its first one (aborted)."""
         prompt = list(getattr(request, "prompt_token_ids", None) or ())
-        if getattr(request, "num_computed_tokens", len(prompt)) < len(prompt) or not prompt:
-            return False, None  # aborted before its prompt completed: no sample will exist
         rows, mode = len(prompt), "prompt_only"
         if include_output_tokens(getattr(request, "kv_transfer_params", None)):
             # The last token was sampled, never an input to a forward: its state does not exist.
             tokens = [int(t) for t in list(request.all_token_ids)[:-1]]
+            if len(tokens) < len(prompt):
+                return False, None  # ended before its first output (aborted): no sample, its workers drop its rows
             self.outputs[request.request_id] = tokens
             rows, mode = len(tokens), "all"
         if self.packed is None:

@@ -96,16 +96,19 @@ class Store:
             ) from None
         os.environ.setdefault(*_SETUP_RETRIES)
         c = self.config
-        client = MooncakeDistributedStore()
-        rc = client.setup(
-            c["local_hostname"],
-            c["metadata_server"],
-            c["global_segment_size"],
-            c["local_buffer_size"],
-            c["protocol"],
-            c["device_name"],
-            c["master_server_address"],
-        )
+        try:
+            client = MooncakeDistributedStore()
+            rc = client.setup(
+                c["local_hostname"],
+                c["metadata_server"],
+                c["global_segment_size"],
+                c["local_buffer_size"],
+                c["protocol"],
+                c["device_name"],
+                c["master_server_address"],
+            )
+        except Exception as e:  # noqa: BLE001 - the client raises untyped errors (pybind RuntimeError)
+            rc = f"{type(e).__name__}: {e}"
         if rc != 0:
             raise ConfigError(
                 f"the Mooncake client did not set up: {describe(rc)}; expected a master at "

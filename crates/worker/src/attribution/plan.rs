@@ -205,7 +205,7 @@ impl Tracker {
         for id in &input.finished {
             let Some(mut t) = self.reqs.remove(id) else { continue };
             match outputs.remove(id.as_str()) {
-                Some(tokens) if t.with_outputs && t.captured >= t.prompt_len => {
+                Some(tokens) if t.with_outputs && t.captured >= t.prompt_len && tokens.len() >= t.prompt_len => {
                     let step = self.step;
                     let prompt_first = tokens.len() >= t.prompt_len && tokens[..t.prompt_len] == t.token_ids[..];
                     ensure!(

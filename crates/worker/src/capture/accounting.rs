@@ -102,12 +102,14 @@ impl Accounting {
         let mut job = ScatterJob { step: plan.step, ..Default::default() };
         if cfg.assemble {
             job.segments = plan.segments.clone();
+            self.growing.extend(plan.segments.iter().filter(|s| s.grows).map(|s| s.req_id.clone()));
         }
-        self.growing.extend(plan.segments.iter().filter(|s| s.grows).map(|s| s.req_id.clone()));
         for e in events {
             if let Event::Completed { req_id, sample, token_ids, loss_mask } = e {
+                // Indexed samples come from the input, where two prompts may carry one index; a request id is
+                // completed once by construction (plan.rs), and a server's ids would grow this set for ever.
                 ensure!(
-                    self.emitted.insert(sample.clone()),
+                    matches!(sample, SampleKey::Request(_)) || self.emitted.insert(sample.clone()),
                     Output,
                     "{sample} was completed twice in this run: two prompts carry the same sample index"
                 );

@@ -67,6 +67,14 @@ impl Locks {
         self.lock().remove(req_id);
     }
 
+    /// Releases request `req_id`'s lock and removes its lock file, if this process holds it: the request ended
+    /// without a sample (aborted), so no response names the file and no client will come for either.
+    pub fn abandon(&self, req_id: &str) {
+        if self.lock().remove(req_id).is_some() {
+            let _ = std::fs::remove_file(lock_path(&self.root.join(file_name(req_id))));
+        }
+    }
+
     pub fn held(&self) -> usize {
         self.lock().len()
     }
@@ -90,5 +98,11 @@ mod tests {
         other.try_lock().unwrap();
         assert!(path.exists(), "the client removes the lock file, not the writer");
         assert_eq!(locks.held(), 0);
+        locks.hold("r-2").unwrap();
+        locks.hold("r-2").unwrap(); // held already: not locked twice (which would wait for itself)
+        locks.abandon("r-2");
+        assert!(!lock_path(&d.path().join(file_name("r-2"))).exists(), "an abandoned request's lock file is removed");
+        locks.abandon("r-1"); // not held (released before): its file is the client's, left alone
+        assert!(path.exists());
     }
 }

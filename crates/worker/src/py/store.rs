@@ -20,11 +20,13 @@ impl ObjectStore for PyStore {
         // The client reads `bytes` through its address during the call only (it copies them into the store
         // before returning), and `bytes` outlives the call.
         let (address, size) = (bytes.as_ptr() as usize, bytes.len());
-        Python::attach(|py| {
+        // Not `attach`: during interpreter shutdown a thread that takes the GIL is stopped inside these frames.
+        Python::try_attach(|py| {
             self.0.call_method1(py, "put", (key, address, size)).map(|_| ()).map_err(|e| {
                 let text = e.value(py).str().map(|s| s.to_string()).unwrap_or_else(|_| e.to_string());
                 core_err!(Output, "{text}")
             })
         })
+        .unwrap_or_else(|| Err(core_err!(Output, "{key} was not stored: the Python interpreter is shutting down")))
     }
 }

@@ -149,3 +149,38 @@ fn samples_go_to_an_object_store_as_packed_objects() {
     assert!(WorkerSession::new(cfg(true), o.clone()).err().unwrap().message.contains("expected a store client"));
     assert!(WorkerSession::new(cfg(false), o).is_ok(), "a verifying rank stores nothing");
 }
+
+#[test]
+fn an_aborted_request_with_outputs_gives_up_its_lock_and_its_lock_file() {
+    let d = tempfile::tempdir().unwrap();
+    let mut o = out(Some(d.path().into()));
+    o.staging = true;
+    let mut w = WorkerSession::new(cfg(true), o).unwrap();
+    let first = StepInput {
+        new_requests: vec![NewRequest {
+            req_id: "q".into(),
+            prompt_token_ids: vec![1, 2, 3, 4],
+            num_computed_tokens: 0,
+            sample: None,
+            loss_mask: None,
+        }],
+        num_scheduled: vec![("q".into(), 2)],
+        total_tokens: 2,
+        with_outputs: vec!["q".into()],
+        ..Default::default()
+    };
+    w.begin_step(first).unwrap();
+    w.plan(&["q".to_string()]).unwrap();
+    let h = [0.5f32; 4];
+    let t = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![2, 2], strides: vec![2, 1], dtype: DType::F32, device: Device::Cpu };
+    // SAFETY: `h` lives for the call and nobody writes it.
+    unsafe { w.capture(0, &t, None, 0).unwrap() };
+    w.end_step().unwrap();
+    let lock = d.path().join("q.safetensors.lock");
+    assert!(lock.exists(), "held from the request's first step (its file would complete after its response)");
+    // q is aborted mid-prompt: the next step reports it finished, without output tokens.
+    w.begin_step(StepInput { finished: vec!["q".into()], ..Default::default() }).unwrap();
+    w.end_step().unwrap();
+    assert!(!lock.exists(), "no response names its file: the lock and its file go");
+    w.finish().unwrap();
+}

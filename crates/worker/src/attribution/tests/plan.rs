@@ -209,6 +209,16 @@ fn a_finish_that_disagrees_with_the_rows_or_comes_without_tokens_is_not_a_sample
     // a reports 4 tokens through a forward but only 2 rows were captured.
     let e = t.begin_step(finish(&["a"], vec![("a", vec![100, 101, 5, 6])])).unwrap_err();
     assert!(e.message.contains("4 tokens through a forward") && e.message.contains("2 captured rows"), "{e}");
+    // d ended before its first output (aborted in its last prefill step): fewer tokens than its prompt, no sample.
+    let mut t = Tracker::new();
+    let mut first = step(vec![new("d", 3, 0, None)], vec![], &[("d", 3)]);
+    first.with_outputs = ids(&["d"]);
+    t.begin_step(first).unwrap();
+    t.plan(&ids(&["d"])).unwrap();
+    t.commit().unwrap();
+    let ev = t.begin_step(finish(&["d"], vec![("d", vec![100, 101])])).unwrap();
+    assert!(matches!(&ev[..], [Event::Aborted { .. }]), "{ev:?}");
+    assert!(t.commit().unwrap().is_empty());
     let mut t = Tracker::new();
     let e = t.begin_step(finish(&[], vec![("z", vec![1])])).unwrap_err();
     assert!(e.message.contains("did not finish in this step"), "{e}");

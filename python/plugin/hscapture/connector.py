@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from . import _native
+from .vllm_compat import include_output_tokens
 
 NAME = "HscaptureConnector"
 FORMATS = {"file": "hscapture", "hscapture": "hscapture", "fp8": "fp8", "mooncake": "mooncake"}
@@ -84,11 +85,6 @@ def settings(vllm_config: Any) -> dict | None:
             "(a path the client sees too)"
         )
     return {"out": path, "format": FORMATS[fmt], **shorter}
-
-
-def include_output_tokens(params: Any) -> bool:
-    """Whether a request's ``kv_transfer_params`` ask for the states of its generated tokens too."""
-    return isinstance(params, dict) and bool(params.get("include_output_tokens", False))
 
 
 class HscaptureMetadata(KVConnectorMetadata):

@@ -82,6 +82,11 @@ LOSS_MASK_KEY = "hscapture_loss_mask"
 formats that store one (``legacy``)."""
 
 
+def include_output_tokens(params: Any) -> bool:
+    """Whether a request's ``kv_transfer_params`` ask for the states of its generated tokens too."""
+    return isinstance(params, dict) and bool(params.get("include_output_tokens", False))
+
+
 def step_args(so: Any) -> tuple:
     """A scheduler output as the plain arguments of ``CaptureSession.begin_step``."""
     new = []
@@ -117,8 +122,7 @@ def step_args(so: Any) -> tuple:
     with_outputs, outputs = [], []
     if getattr(meta, "hscapture", False):
         for r in so.scheduled_new_reqs:
-            params = (getattr(r.sampling_params, "extra_args", None) or {}).get("kv_transfer_params")
-            if isinstance(params, dict) and params.get("include_output_tokens"):
+            if include_output_tokens((getattr(r.sampling_params, "extra_args", None) or {}).get("kv_transfer_params")):
                 with_outputs.append(r.req_id)
         outputs = [(rid, list(tokens)) for rid, tokens in meta.outputs.items()]
     return new, cached, scheduled, int(so.total_num_scheduled_tokens), finished, preempted, with_outputs, outputs

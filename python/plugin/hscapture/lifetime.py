@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 from .errors import EngineDiedError
@@ -88,7 +89,7 @@ class Watchdog:
         if self._stop.is_set() or self._r in ready:
             return
         p = sentinels[next(s for s in ready if s in sentinels)]
-        p.join(0.5)
+        self._reaped(p)
         self.died = (
             f"vLLM's engine process {p.name} (pid {p.pid}) {describe_exit(p.exitcode)} while the capture was running; "
             "expected it to run until the last request finished. The OOM killer, or a crash logged above, ends an "
@@ -96,6 +97,14 @@ class Watchdog:
         )
         log.error("hscapture: %s", self.died)
         os.kill(os.getpid(), self.SIGNAL)
+
+    @staticmethod
+    def _reaped(p, limit_s: float = 3.0) -> None:
+        """Waits until ``p.exitcode`` is known. vLLM's own liveness monitor polls the same process: when its
+        ``waitpid`` wins the race ours fails and ``exitcode`` stays None until that thread stores the status."""
+        deadline = time.monotonic() + limit_s
+        while p.exitcode is None and time.monotonic() < deadline:
+            p.join(0.05)
 
     def __enter__(self) -> Watchdog:
         if self.processes and threading.current_thread() is threading.main_thread():

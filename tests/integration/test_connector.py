@@ -111,6 +111,7 @@ def test_file_server_equals_the_offline_capture_and_hf(prepared):
     assert seen["batch"]["hidden_states"][-1] == 2 * 128, seen
 
 
+@pytest.mark.newest
 def test_fp8_server_stores_speculators_quantization_of_the_same_states(prepared):
     from support import speculators_path
 
@@ -184,6 +185,7 @@ def test_fp8_extract_is_verified_resumed_and_loaded_dequantized(prepared):
     assert hscapture_cli("verify", out).returncode == 0
 
 
+@pytest.mark.newest
 def test_tp2_server_with_a_slow_disk_holds_each_response_s_lock(prepared):
     """TP=2, requests interleaved in steps, every file written 1.5 s late: the response names a path whose lock is
     already held (so a client that waits for it reads a whole file), and speculators' CLI gets every sample right."""
@@ -211,6 +213,7 @@ def test_tp2_server_with_a_slow_disk_holds_each_response_s_lock(prepared):
     _check_file_run(out, ids, offline, exact=False)
 
 
+@pytest.mark.newest
 def test_a_request_whose_capture_fails_gets_an_error_not_a_path(prepared):
     from faulty import MARKER
 

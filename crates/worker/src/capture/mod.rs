@@ -1,4 +1,5 @@
-//! The step protocol on one worker ([`session::Session`], the coordinator) and the parts it owns:
+//! A capture session on one worker ([`session::Session`], the coordinator) and the parts it owns:
+//! - [`protocol`]: the step protocol (attribution, the slots a step holds, the contract each capture meets);
 //! - [`contract`]: the checks on every captured tensor, and the names of layer slots;
 //! - [`slots`]: which slots a step holds (captured, received from another stage, absent);
 //! - [`accounting`]: a captured step's checks, checksum and completed samples (worker thread);
@@ -15,6 +16,7 @@ pub mod contract;
 pub mod cuda;
 pub mod device;
 pub mod device_steps;
+pub mod protocol;
 pub mod rows;
 pub mod scatter;
 pub mod session;

@@ -1,6 +1,6 @@
-//! A capture session on one worker: the step protocol, coordinating the parts it owns — attribution
-//! ([`Tracker`]), the slots a step holds ([`SlotMask`]), the step buffers ([`StepBuffers`]), device
-//! steps in flight ([`DeviceSteps`]) and accounting ([`Accounting`]).
+//! A capture session on one worker: the coordinator of the parts it owns — the step protocol
+//! ([`StepProtocol`]: attribution, the slots a step holds, the shape contract), the step buffers
+//! ([`StepBuffers`]), device steps in flight ([`DeviceSteps`]) and accounting ([`Accounting`]).
 //!
 //! Per step: [`Session::begin_step`] with the scheduler output; [`Session::plan`] with the order the
 //! runner used (at the first hook of the forward); [`Session::capture`] once per layer slot;
@@ -13,14 +13,13 @@
 
 use std::sync::Arc;
 
-use crate::attribution::plan::{Event, StepInput, StepPlan, Tracker};
+use crate::attribution::plan::{Event, SampleKey, StepInput, StepPlan, Tracker};
 use crate::capture::accounting::Accounting;
-use crate::capture::contract::{check_layer, slot_name};
 use crate::capture::device::{DeviceBackend, PinnedStep};
 use crate::capture::device_steps::DeviceSteps;
+pub use crate::capture::protocol::CompletionHook;
+use crate::capture::protocol::StepProtocol;
 use crate::capture::scatter::{Geometry, ScatterJob};
-use crate::capture::slots::SlotMask;
-use crate::capture::stage_exchange;
 pub use crate::capture::step::{Aborted, SessionConfig, SessionStats, StepOutcome};
 use crate::capture::step_buffers::StepBuffers;
 use crate::capture::tensor::{Device, TensorDesc};
@@ -29,15 +28,12 @@ use crate::output::pool::BufferPool;
 use crate::output::sample::Sample;
 use crate::output::writer::Submitter;
 use crate::{bail, ensure, error::CoreResult};
-use hscapture_kernels::capture_rows;
 
 /// What failed, in the capture's [`Failure`], when a device step cannot be collected.
 const DEVICE_STEP: &str = "an earlier device step could not be collected";
 
 pub struct Session {
-    cfg: SessionConfig,
-    tracker: Tracker,
-    slots: SlotMask,
+    protocol: StepProtocol,
     accounting: Accounting,
     /// Before `device`: dropped (its thread joined) first, since it may read the device's buffers.
     buffers: StepBuffers,
@@ -47,12 +43,7 @@ pub struct Session {
     failure: Failure,
     pool: Arc<BufferPool>,
     aborted: Vec<Aborted>,
-    /// Called with each request whose prompt completes, when its step ends (before its rows are accounted).
-    on_complete: Option<CompletionHook>,
 }
-
-/// See [`Session::set_completion_hook`].
-pub type CompletionHook = Arc<dyn Fn(&str) -> CoreResult<()> + Send + Sync>;
 
 impl Session {
     pub fn new(cfg: SessionConfig) -> CoreResult<Session> {
@@ -65,29 +56,25 @@ impl Session {
         let pool = Arc::new(BufferPool::new(256));
         let geo = Geometry { slots: cfg.layers.num_slots(), width: cfg.hidden_size, dtype: cfg.out_dtype, quantized: false };
         Ok(Session {
-            slots: SlotMask::new(geo.slots),
             buffers: StepBuffers::new(geo, Arc::clone(&pool), failure.clone()),
-            cfg,
-            tracker: Tracker::new(),
+            protocol: StepProtocol::new(cfg),
             accounting: Accounting::default(),
             device: None,
             on_device: false,
             failure,
             pool,
             aborted: Vec::new(),
-            on_complete: None,
         })
     }
 
     /// Calls `hook` with the request id of every request whose prompt completes, when the step that
-    /// completes it ends — synchronously, before the step's rows are accounted and before vLLM can answer
-    /// the request (the per-request locks of a staging directory are taken there).
+    /// completes it ends (and of every sample that captures generated tokens, when it opens).
     pub fn set_completion_hook(&mut self, hook: CompletionHook) {
-        self.on_complete = Some(hook);
+        self.protocol.set_completion_hook(hook);
     }
 
     fn fresh(&self) -> bool {
-        self.accounting.stats.steps == 0 && !self.tracker.in_step() && self.device.as_ref().is_none_or(|d| d.in_flight() == 0)
+        self.accounting.stats.steps == 0 && !self.in_step() && self.steps_in_flight() == 0
     }
 
     /// Opt-in: skip (and report) samples with NaN/Inf values instead of failing the step.
@@ -96,7 +83,7 @@ impl Session {
     }
 
     /// Samples skipped for non-finite values since the last call: (sample, request id, why).
-    pub fn take_skipped(&mut self) -> Vec<(crate::attribution::plan::SampleKey, String, String)> {
+    pub fn take_skipped(&mut self) -> Vec<(SampleKey, String, String)> {
         std::mem::take(&mut self.accounting.skipped)
     }
 
@@ -105,8 +92,9 @@ impl Session {
     pub fn set_device(&mut self, device: Box<dyn DeviceBackend>, overlap: bool) -> CoreResult<()> {
         ensure!(self.device.is_none() && self.fresh(), Config, "the device path is enabled once, before the first step");
         if device.quantizes() {
+            let slots = self.protocol.slots();
             ensure!(
-                self.cfg.assemble && self.slots.expected() == self.slots.len(),
+                self.config().assemble && slots.expected() == slots.len(),
                 Config,
                 "fp8 on the device quantizes each token over every layer slot: only on the assembling rank of a \
                  capture whose slots are all captured there (not across pipeline stages)"
@@ -138,7 +126,7 @@ impl Session {
     }
 
     pub fn config(&self) -> &SessionConfig {
-        &self.cfg
+        self.protocol.config()
     }
 
     pub fn stats(&self) -> &SessionStats {
@@ -156,7 +144,7 @@ impl Session {
     }
 
     pub fn tracker(&self) -> &Tracker {
-        &self.tracker
+        self.protocol.tracker()
     }
 
     /// Host bytes held: step arenas, partly captured requests (and, in the background, completed
@@ -188,10 +176,7 @@ impl Session {
              scales sit after a sample's known rows); set HSCAPTURE_FP8_ON_DEVICE=0 (the writer quantizes the same way)",
             input.with_outputs
         );
-        for e in self.tracker.begin_step(input)? {
-            if let (Event::Opened { req_id }, Some(hook)) = (&e, &self.on_complete) {
-                hook(req_id)?; // its sample completes after its response: what must precede that is taken now
-            }
+        for e in self.protocol.begin(input)? {
             if let Event::Aborted { req_id, sample, captured, prompt_len } = e {
                 self.accounting.stats.aborted += 1;
                 self.aborted.push(Aborted { req_id: req_id.clone(), sample, captured, prompt_len });
@@ -204,7 +189,6 @@ impl Session {
                 }
             }
         }
-        self.slots.new_step();
         self.on_device = false;
         Ok(prev)
     }
@@ -241,8 +225,8 @@ impl Session {
             bail!(Compatibility, "a device step is pending but the device path is gone");
         };
         let (p, buf) = dev.collect_oldest()?;
-        let present = self.slots.present();
-        let (mut out, job) = match self.accounting.account(&self.cfg, &p.plan, p.events, buf.as_rows(), &present, &present) {
+        let present = self.protocol.slots().present();
+        let (mut out, job) = match self.accounting.account(self.protocol.config(), &p.plan, p.events, buf.as_rows(), &present, &present) {
             Ok(x) => x,
             Err(e) => {
                 dev.recycle(buf)?;
@@ -268,21 +252,21 @@ impl Session {
     }
 
     pub fn in_step(&self) -> bool {
-        self.tracker.in_step()
+        self.protocol.in_step()
     }
 
     pub fn planned(&self) -> bool {
-        self.tracker.current_plan().is_some()
+        self.protocol.current_plan().is_some()
     }
 
     /// Prompt rows per request of the planned step, in the runner's order (empty before `plan`).
     pub fn step_rows(&self) -> Vec<(String, usize)> {
-        self.tracker.current_plan().map(|p| p.segments.iter().map(|s| (s.req_id.clone(), s.len)).collect()).unwrap_or_default()
+        self.protocol.current_plan().map(|p| p.segments.iter().map(|s| (s.req_id.clone(), s.len)).collect()).unwrap_or_default()
     }
 
     /// Fixes the step's row layout from the runner's request order.
     pub fn plan(&mut self, order: &[String]) -> CoreResult<&StepPlan> {
-        let plan = self.tracker.plan(order)?;
+        let plan = self.protocol.plan(order)?;
         let (step, rows, runs) = (plan.step, plan.arena_rows, plan.runs());
         self.buffers.arena_mut().reset(rows);
         if let Some(dev) = self.device.as_mut() {
@@ -293,7 +277,7 @@ impl Session {
             }
             dev.plan(step, rows, &runs)?;
         }
-        match self.tracker.current_plan() {
+        match self.protocol.current_plan() {
             Some(p) => Ok(p),
             None => bail!(Attribution, "the step plan was lost"),
         }
@@ -305,10 +289,6 @@ impl Session {
         self.buffers.hold().expect("background assembly")
     }
 
-    pub(crate) fn slot_name(&self, slot: usize) -> String {
-        slot_name(&self.cfg.layers, slot)
-    }
-
     /// Captures slot `slot` from `hidden` (+ `residual`) for the planned rows: host tensors into the
     /// arena now, device tensors through the device path on `stream` (a raw CUDA stream handle).
     ///
@@ -316,41 +296,24 @@ impl Session {
     /// Both descriptors must describe live memory of the described extent that nobody writes while
     /// this call runs (host) or until the work enqueued on `stream` has run (device).
     pub unsafe fn capture(&mut self, slot: usize, hidden: &TensorDesc, residual: Option<&TensorDesc>, stream: u64) -> CoreResult<()> {
-        let name = self.slot_name(slot);
-        let Some(plan) = self.tracker.current_plan() else {
-            bail!(Attribution, "{name}: captured outside a planned step (a forward outside `execute_model`?)");
-        };
-        let rows = check_layer(&self.cfg, plan, &name, hidden, residual)?;
-        let runs = plan.runs();
+        let a = self.protocol.admit(slot, hidden, residual)?;
         if let Device::Cuda(_) = hidden.device {
             let Some(dev) = self.device.as_mut() else {
                 bail!(
                     Compatibility,
-                    "{name}: the tensor is on {} but the device path is not enabled here; the Python worker falls \
-                     back to host copies when it cannot enable it",
+                    "{}: the tensor is on {} but the device path is not enabled here; the Python worker falls back \
+                     to host copies when it cannot enable it",
+                    a.name,
                     hidden.device
                 );
             };
             // SAFETY: forwarded from this function's contract.
             unsafe { dev.capture(slot, hidden, residual, stream)? };
             self.on_device = true;
-            return self.slots.fill(slot, &name);
+            return Ok(());
         }
-        ensure!(
-            !self.buffers.quantized(),
-            Compatibility,
-            "{name}: a host tensor in a session whose device quantizes to fp8; every slot must be captured on the device"
-        );
-        // SAFETY: forwarded from this function's contract.
-        let h = unsafe { hidden.cpu_rows(&name, rows)? };
-        let r = match residual {
-            // SAFETY: as above.
-            Some(r) => Some(unsafe { r.cpu_rows(&name, rows)? }),
-            None => None,
-        };
-        self.slots.fill(slot, &name)?;
-        let mut target = self.buffers.arena_mut().target(slot, &name)?;
-        capture_rows(&h, r.as_ref(), &runs, &mut target).map_err(|e| crate::core_err!(ShapeContract, "{name}: {e}"))
+        // SAFETY: forwarded from this function's contract (host tensors).
+        unsafe { self.buffers.capture_host(slot, &a.name, (hidden, residual), a.rows, &a.runs) }
     }
 
     /// Ends the step: checks that every slot was captured and commits attribution. Host captures are
@@ -359,38 +322,16 @@ impl Session {
     pub fn end_step(&mut self) -> CoreResult<Vec<StepOutcome>> {
         let r = self.end_step_inner();
         if r.is_err() {
-            self.tracker.abandon();
+            self.protocol.abandon();
         }
         r
     }
 
     fn end_step_inner(&mut self) -> CoreResult<Vec<StepOutcome>> {
-        let step = self.tracker.step();
-        let plan = self.tracker.current_plan().cloned();
-        if plan.is_some() {
-            let missing = self.slots.missing();
-            ensure!(
-                missing.is_empty(),
-                ShapeContract,
-                "step {step}: the forward ran but {} never reached its hook; expected all {} layer slots, found {} \
-                 (is the model's forward skipping hooked layers?)",
-                missing.iter().map(|&s| self.slot_name(s)).collect::<Vec<_>>().join(", "),
-                self.slots.expected(),
-                self.slots.expected() - missing.len()
-            );
-        }
-        let events = self.tracker.commit()?;
-        if let Some(hook) = &self.on_complete {
-            for e in &events {
-                if let Event::Completed { req_id, .. } = e {
-                    hook(req_id)?;
-                }
-            }
-        }
-        let plan = plan.unwrap_or(StepPlan { step, ..Default::default() });
+        let (plan, events) = self.protocol.end()?;
         if self.on_device {
             let Some(dev) = self.device.as_mut() else {
-                bail!(Compatibility, "step {step} was captured on the device but the device path is gone");
+                bail!(Compatibility, "step {} was captured on the device but the device path is gone", plan.step);
             };
             dev.end(plan, events)?;
             // Overlap: the step before is accounted now, while this one is queued on the device behind
@@ -400,8 +341,9 @@ impl Session {
         }
         // A step without device captures (none ran: no forward, or no hooked layer) keeps step order.
         let mut outs = self.collect_device_steps(0)?;
-        let (present, own) = (self.slots.present(), self.slots.own());
-        let (mut out, job) = self.accounting.account(&self.cfg, &plan, events, self.buffers.arena(), &present, &own)?;
+        let slots = self.protocol.slots();
+        let (present, own) = (slots.present(), slots.own());
+        let (mut out, job) = self.accounting.account(self.protocol.config(), &plan, events, self.buffers.arena(), &present, &own)?;
         out.completed = self.scatter(job, None)?;
         out.aborted = std::mem::take(&mut self.aborted);
         outs.push(out);
@@ -410,7 +352,7 @@ impl Session {
 
     /// Drops the step in progress after a failed forward.
     pub fn abandon_step(&mut self) {
-        self.tracker.abandon();
+        self.protocol.abandon();
     }
 
     /// Declares the slots this rank will neither capture nor receive (pipeline parallelism: the layers
@@ -421,27 +363,19 @@ impl Session {
             Config,
             "slots {slots:?} absent from a session whose device quantizes to fp8 over every slot"
         );
-        ensure!(
-            slots.is_empty() || !self.cfg.assemble,
-            Config,
-            "the assembling rank must hold every slot; slots {slots:?} would be missing from its samples"
-        );
-        self.slots.set_absent(slots)
+        self.protocol.set_absent(slots)
     }
 
     /// This step's rows of `slots` (captured here) as one message for the assembling stage.
     pub fn export_slots(&self, slots: &[usize]) -> CoreResult<Vec<u8>> {
-        let step = self.tracker.step();
+        let step = self.protocol.step();
         ensure!(!self.on_device, Compatibility, "step {step}: pipeline stages exchange host rows; this step was captured on the device");
-        stage_exchange::export(step, self.tracker.current_plan(), &self.slots, self.buffers.arena(), slots, |s| self.slot_name(s))
+        self.protocol.export(self.buffers.arena(), slots)
     }
 
     /// Writes another stage's message into this step's arena; returns the slots it filled.
     pub fn import_slots(&mut self, bytes: &[u8], from: &str) -> CoreResult<Vec<usize>> {
-        let step = self.tracker.step();
-        let layers = &self.cfg.layers;
-        let arena = self.buffers.arena_mut();
-        stage_exchange::import(step, self.tracker.current_plan(), &mut self.slots, arena, bytes, from, |s| slot_name(layers, s))
+        self.protocol.import(self.buffers.arena_mut(), bytes, from)
     }
 }
 

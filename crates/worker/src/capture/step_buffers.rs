@@ -15,11 +15,13 @@ use crate::capture::assembler::{Assembler, StepBuffer};
 use crate::capture::device::PinnedStep;
 use crate::capture::device_steps::DeviceSteps;
 use crate::capture::scatter::{Geometry, Scatter, ScatterJob};
+use crate::capture::tensor::TensorDesc;
 use crate::failure::Failure;
 use crate::output::pool::BufferPool;
 use crate::output::sample::Sample;
 use crate::output::writer::Submitter;
 use crate::{bail, ensure, error::CoreResult};
+use hscapture_kernels::{capture_rows, RowRun};
 
 enum Scattering {
     Inline(Scatter),
@@ -99,6 +101,35 @@ impl StepBuffers {
 
     pub fn arena(&self) -> &Arena {
         &self.arena
+    }
+
+    /// Copies a host layer's planned rows (`runs`, `rows` read) into slot `slot` of the step's arena.
+    ///
+    /// # Safety
+    /// Both descriptors describe live host memory of the described extent that nobody writes while this
+    /// call runs.
+    pub unsafe fn capture_host(
+        &mut self,
+        slot: usize,
+        name: &str,
+        (hidden, residual): (&TensorDesc, Option<&TensorDesc>),
+        rows: usize,
+        runs: &[RowRun],
+    ) -> CoreResult<()> {
+        ensure!(
+            !self.geo.quantized,
+            Compatibility,
+            "{name}: a host tensor in a session whose device quantizes to fp8; every slot must be captured on the device"
+        );
+        // SAFETY: forwarded from this function's contract.
+        let h = unsafe { hidden.cpu_rows(name, rows)? };
+        let r = match residual {
+            // SAFETY: as above.
+            Some(r) => Some(unsafe { r.cpu_rows(name, rows)? }),
+            None => None,
+        };
+        let mut target = self.arena.target(slot, name)?;
+        capture_rows(&h, r.as_ref(), runs, &mut target).map_err(|e| crate::core_err!(ShapeContract, "{name}: {e}"))
     }
 
     pub fn arena_mut(&mut self) -> &mut Arena {

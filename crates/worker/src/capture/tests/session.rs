@@ -3,7 +3,7 @@ use crate::attribution::layers::{Convention, LayerPlan};
 use crate::attribution::plan::{CachedRequest, NewRequest, SampleKey};
 use crate::capture::arena::Arena;
 use crate::error::ErrorKind;
-use hscapture_kernels::DType;
+use hscapture_kernels::{capture_rows, DType};
 
 const H: usize = 4;
 

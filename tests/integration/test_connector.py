@@ -187,26 +187,34 @@ def test_fp8_extract_is_verified_resumed_and_loaded_dequantized(prepared):
 
 @pytest.mark.newest
 def test_tp2_server_with_a_slow_disk_holds_each_response_s_lock(prepared):
-    """TP=2, requests interleaved in steps, every file written 1.5 s late: the response names a path whose lock is
-    already held (so a client that waits for it reads a whole file), and speculators' CLI gets every sample right."""
+    """TP=2, requests interleaved in steps, every file written 1.5 s late and the first one only once the test lets
+    the disk go on: the response names a path whose lock is already held (so a client that waits for it reads a whole
+    file), and speculators' CLI gets every sample right."""
     model, root, data, ids, offline = prepared
-    server, stage = serve(root, model, "file", tp=2, env={"HSCAPTURE_TEST_STAGING_DELAY_MS": "1500"})
+    hold = root / "disk-stalled"
+    hold.touch()
+    env = {"HSCAPTURE_TEST_STAGING_DELAY_MS": "1500", "HSCAPTURE_TEST_STAGING_HOLD": str(hold)}
+    server, stage = serve(root, model, "file", tp=2, env=env)
     out = root / "served-tp2"
     with server:
-        probe = [5, 6, 7, 8, 9, 10, 11]
-        body = server.complete(probe)
-        path = Path(body["kv_transfer_params"]["hidden_states_path"])
-        assert path.parent == stage and not path.exists(), "the response came before the file (the disk is slow)"
-        with open(str(path) + ".lock", "rb") as lock:
-            with pytest.raises(BlockingIOError):
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by the writing worker
-            t = time.time()
-            fcntl.flock(lock, fcntl.LOCK_EX)  # as speculators' client waits
-            assert path.exists(), f"the lock was released {time.time() - t:.1f} s later without the file"
-        s = load(path)
-        assert s["token_ids"].tolist() == probe and tuple(s["hidden_states"].shape) == (len(probe), 3, 128)
-        path.unlink()
-        Path(str(path) + ".lock").unlink()
+        try:
+            probe = [5, 6, 7, 8, 9, 10, 11]
+            body = server.complete(probe)
+            path = Path(body["kv_transfer_params"]["hidden_states_path"])
+            assert path.parent == stage and not path.exists(), "the response came before the file (the disk is stalled)"
+            with open(str(path) + ".lock", "rb") as lock:
+                with pytest.raises(BlockingIOError):
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by the writing worker
+                hold.unlink()  # the disk goes on
+                t = time.time()
+                fcntl.flock(lock, fcntl.LOCK_EX)  # as speculators' client waits
+                assert path.exists(), f"the lock was released {time.time() - t:.1f} s later without the file"
+            s = load(path)
+            assert s["token_ids"].tolist() == probe and tuple(s["hidden_states"].shape) == (len(probe), 3, 128)
+            path.unlink()
+            Path(str(path) + ".lock").unlink()
+        finally:
+            hold.unlink(missing_ok=True)  # ended: the server is not left stalled
         r = generate(server, data, out, validate=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:] + server.log()
     _check_stage_empty(stage)

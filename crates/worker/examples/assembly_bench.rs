@@ -50,7 +50,7 @@ fn run(out: PathBuf, background: bool, steps: usize, fwd: Duration, reqs: usize,
         queue: 64,
         durable: false,
         staging: false,
-        staging_delay: std::time::Duration::ZERO,
+        slow_disk: Default::default(),
         store: None,
     };
     // The worker's own path: the session feeding the writer (from the assembler thread, in the background).

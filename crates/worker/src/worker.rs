@@ -18,7 +18,7 @@ use crate::output::format::{by_name, Format};
 use crate::output::record::{Identity, SampleRecord};
 use crate::output::sample::Sample;
 use crate::output::sink::{FileSink, Layout};
-use crate::output::staging::Locks;
+use crate::output::staging::{Locks, SlowDisk};
 use crate::output::store::{ObjectStore, StoreSink};
 use crate::output::writer::{Writer, WriterConfig};
 use crate::{ensure, error::CoreResult};
@@ -40,8 +40,8 @@ pub struct OutputSettings {
     pub durable: bool,
     /// Per-request files for a collecting client (`staging.rs`) instead of a capture directory.
     pub staging: bool,
-    /// Tests only: each per-request file's write is held back this long (a slow disk).
-    pub staging_delay: std::time::Duration,
+    /// Tests only: per-request files are written late (`staging.rs`).
+    pub slow_disk: SlowDisk,
     /// Samples go to this object store as packed objects (`output/store.rs`) instead of files.
     pub store: Option<StoreHandle>,
 }
@@ -140,7 +140,7 @@ impl WorkerSession {
             (true, None, None) => Output::Memory(Vec::new()),
             (true, Some(root), _) => {
                 let layout = if out.staging {
-                    let locks = Arc::new(Locks::new(root, out.staging_delay));
+                    let locks = Arc::new(Locks::new(root, out.slow_disk.clone()));
                     let held = Arc::clone(&locks);
                     session.set_completion_hook(Arc::new(move |req: &str| held.hold(req)));
                     staged = Some(Arc::clone(&locks));

@@ -182,6 +182,13 @@ REGISTRY: dict[str, EnvVar] = {
             "disk), to show that clients wait for its lock.",
         ),
         EnvVar(
+            "HSCAPTURE_TEST_STAGING_HOLD",
+            "str",
+            None,
+            "Tests only: while this file exists, each per-request file of the KV connector waits to be written (a "
+            "stalled disk that the test ends), so that a response provably comes before its file.",
+        ),
+        EnvVar(
             "HSCAPTURE_SPECULATORS_ROOT",
             "str",
             None,

@@ -71,6 +71,7 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         model=cfg.model_name or model,
         staging=cfg.staging,
         staging_delay_ms=max(0, envs.get("HSCAPTURE_TEST_STAGING_DELAY_MS")) if cfg.staging else 0,
+        staging_hold=envs.get("HSCAPTURE_TEST_STAGING_HOLD") if cfg.staging else None,
         store=store,
     )
     if writer and cfg.out is None and store is None:

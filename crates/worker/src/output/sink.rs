@@ -79,7 +79,7 @@ impl Sink for FileSink {
     fn put(&self, sample: &Sample) -> CoreResult<SampleRecord> {
         let file = match &self.locks {
             Some(locks) => {
-                std::thread::sleep(locks.delay);
+                locks.slow_disk.wait();
                 staging::file_name(&sample.req_id)
             }
             None => self.format.file(&sample.key),

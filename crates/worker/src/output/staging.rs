@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::{core_err, error::CoreResult};
 
@@ -26,18 +26,41 @@ pub fn lock_path(file: &Path) -> PathBuf {
     PathBuf::from(p)
 }
 
+/// Tests only: a slow disk, to show that a response comes before its file and that clients wait for the lock.
+#[derive(Debug, Clone, Default)]
+pub struct SlowDisk {
+    /// Each file's write is held back this long.
+    pub delay: Duration,
+    /// ...and, first, for as long as this file exists (at most [`SlowDisk::MAX_HOLD`]): a stall the test ends.
+    pub hold_while: Option<PathBuf>,
+}
+
+impl SlowDisk {
+    /// A test that forgets its hold file slows the server down; it does not hang it.
+    pub const MAX_HOLD: Duration = Duration::from_secs(300);
+
+    pub fn wait(&self) {
+        if let Some(hold) = &self.hold_while {
+            let start = Instant::now();
+            while hold.exists() && start.elapsed() < Self::MAX_HOLD {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        std::thread::sleep(self.delay);
+    }
+}
+
 /// The locks this process holds, by request id.
 #[derive(Debug)]
 pub struct Locks {
     root: PathBuf,
     held: Mutex<HashMap<String, File>>,
-    /// Tests only: how long each file's write is held back (a slow disk), to show that clients wait for it.
-    pub delay: Duration,
+    pub slow_disk: SlowDisk,
 }
 
 impl Locks {
-    pub fn new(root: &Path, delay: Duration) -> Locks {
-        Locks { root: root.to_path_buf(), held: Mutex::new(HashMap::new()), delay }
+    pub fn new(root: &Path, slow_disk: SlowDisk) -> Locks {
+        Locks { root: root.to_path_buf(), held: Mutex::new(HashMap::new()), slow_disk }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, File>> {
@@ -88,7 +111,7 @@ mod tests {
     #[test]
     fn a_lock_is_held_until_released_and_its_file_left_for_the_client() {
         let d = tempfile::tempdir().unwrap();
-        let locks = Locks::new(d.path(), Duration::ZERO);
+        let locks = Locks::new(d.path(), SlowDisk::default());
         assert_eq!(file_name("cmpl-a1/b 2"), "cmpl-a1_b_2.safetensors");
         locks.hold("r-1").unwrap();
         let path = lock_path(&d.path().join(file_name("r-1")));
@@ -104,5 +127,22 @@ mod tests {
         assert!(!lock_path(&d.path().join(file_name("r-2"))).exists(), "an abandoned request's lock file is removed");
         locks.abandon("r-1"); // not held (released before): its file is the client's, left alone
         assert!(path.exists());
+    }
+
+    #[test]
+    fn a_slow_disk_holds_each_write_while_its_hold_file_exists() {
+        let d = tempfile::tempdir().unwrap();
+        let hold = d.path().join("hold");
+        std::fs::write(&hold, b"").unwrap();
+        let disk = SlowDisk { delay: Duration::from_millis(20), hold_while: Some(hold.clone()) };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiter = std::thread::spawn(move || {
+            disk.wait();
+            tx.send(()).unwrap();
+        });
+        assert!(rx.recv_timeout(Duration::from_millis(300)).is_err(), "held while the file exists");
+        std::fs::remove_file(&hold).unwrap();
+        rx.recv_timeout(Duration::from_secs(30)).expect("released once it is removed");
+        waiter.join().unwrap();
     }
 }

@@ -14,6 +14,7 @@ use crate::attribution::plan::{CachedRequest, NewRequest, SampleKey, StepInput};
 use crate::capture::cuda::CudaDevice;
 use crate::capture::session::SessionConfig;
 use crate::output::record::SampleRecord;
+use crate::output::staging::SlowDisk;
 use crate::ranks::checksums::verify_replicated;
 use crate::worker::{OutputSettings, StepReport, StoreHandle, WorkerSession};
 use std::sync::Arc;
@@ -67,7 +68,7 @@ impl CaptureSession {
     /// `staging` per-request files a client collects (`output/staging.rs`); with `store` (an object store's client,
     /// `py/store.rs`) and format `mooncake`, packed objects in that store instead (`output/store.rs`).
     #[new]
-    #[pyo3(signature = (layer_ids, convention, num_hidden_layers, hidden_size, model_dtype, out_dtype, assemble, out_dir=None, writer_threads=4, writer_queue=8, durable=true, format="hscapture".to_string(), compress=None, model=String::new(), staging=false, staging_delay_ms=0, store=None))]
+    #[pyo3(signature = (layer_ids, convention, num_hidden_layers, hidden_size, model_dtype, out_dtype, assemble, out_dir=None, writer_threads=4, writer_queue=8, durable=true, format="hscapture".to_string(), compress=None, model=String::new(), staging=false, staging_delay_ms=0, staging_hold=None, store=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -87,6 +88,7 @@ impl CaptureSession {
         model: String,
         staging: bool,
         staging_delay_ms: u64,
+        staging_hold: Option<PathBuf>,
         store: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         guard("CaptureSession()", || {
@@ -97,10 +99,10 @@ impl CaptureSession {
                 out_dtype: parse_dtype(out_dtype, "output dtype")?,
                 assemble,
             };
-            let staging_delay = std::time::Duration::from_millis(staging_delay_ms);
+            let slow_disk = SlowDisk { delay: std::time::Duration::from_millis(staging_delay_ms), hold_while: staging_hold };
             let (threads, queue) = (writer_threads, writer_queue);
             let store = store.map(|client| StoreHandle(Arc::new(PyStore::new(client))));
-            let out = OutputSettings { root: out_dir, format, compress, model, threads, queue, durable, staging, staging_delay, store };
+            let out = OutputSettings { root: out_dir, format, compress, model, threads, queue, durable, staging, slow_disk, store };
             Ok(CaptureSession { inner: py.detach(|| WorkerSession::new(cfg, out))? })
         })
     }

@@ -24,7 +24,7 @@ fn out(root: Option<PathBuf>) -> OutputSettings {
         queue: 2,
         durable: false,
         staging: false,
-        staging_delay: std::time::Duration::ZERO,
+        slow_disk: Default::default(),
         store: None,
     }
 }

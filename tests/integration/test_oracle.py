@@ -1,5 +1,6 @@
 """Captured states equal HF transformers' token by token (float32, relative error <= 1e-3), for two
-architectures, TP=1 and TP=2, both conventions, chunked prefill forced, prompts of mixed lengths."""
+architectures, TP=1 and TP=2, both conventions, chunked prefill forced, prompts of mixed lengths; and through
+vLLM's Transformers modeling backend."""
 
 from __future__ import annotations
 
@@ -63,3 +64,17 @@ def test_compiled_matches_transformers(tmp_path, tiny_model):
         f"taps of the compiled graph in captured steps: {rep.traced_calls}"
     )
     assert_matches_reference(tmp_path, model, ps, rep, samples, [0, 2, 4], "before")
+
+
+def test_transformers_backend_matches_transformers(tmp_path, tiny_model):
+    """vLLM's Transformers modeling backend (`model_impl="transformers"`; what vLLM 0.32 runs OLMo-2 and every other
+    architecture without an implementation of its own on) calls HF's decoder layers, whose tensors are
+    [1, tokens, hidden] and whose output is the residual stream itself: the capture still equals transformers, for
+    the embeddings (id 0, layer 0's input) and layer outputs (ids 2 and 4)."""
+    model = tiny_model("llama")
+    ps = prompts(seed=7)
+    layers = [0, 2, 4]
+    rep, samples = extract(
+        tmp_path, model, ps, tp=1, convention="before", layers=layers, llm_kwargs={"model_impl": "transformers"}
+    )
+    assert_matches_reference(tmp_path, model, ps, rep, samples, layers, "before")

@@ -25,6 +25,11 @@ from .rpc import RpcState
 log = logging.getLogger("hscapture")
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as [rows, hidden] (a view when its leading dimensions collapse; the core refuses the rest)."""
+    return t.flatten(0, -2)
+
+
 class WorkerCapture:
     """``session``: a ``_native.CaptureSession``; ``sync``: the rank meetings and the failure state;
     ``order``: where the runner's request order is read (``vllm_compat.RunnerOrder``; None when the
@@ -132,6 +137,8 @@ class WorkerCapture:
         if not self._active:
             return  # profiling, warm-up and dummy runs
         try:
+            if hidden.dim() > 2:  # [1, tokens, hidden]: vLLM's Transformers modeling backend runs HF's layers
+                hidden, residual = _rows(hidden), (_rows(residual) if residual is not None else None)
             hidden, residual = self._unshard(slot, hidden, residual)  # a collective: on every rank, every slot
             if self.sync.failure is None:
                 self.capture(slot, hidden, residual)

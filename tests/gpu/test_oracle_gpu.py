@@ -27,8 +27,9 @@ def test_gpu_capture_matches_transformers(tmp_path, tiny_model, monkeypatch, run
     if compiled:
         monkeypatch.setenv("HSCAPTURE_CUDA_COMPILE", "1")
         extra = {"compilation_config": {"cudagraph_mode": "NONE"}}
-    from hscapture import load_sample, reference
+    from hscapture import load_sample
     from hscapture.cli.extract import ExtractOptions, run_extract
+    from hscapture.testing import reference
     from hscapture.testing.compare import compare
 
     model = tiny_model("llama")

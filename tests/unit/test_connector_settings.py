@@ -66,3 +66,14 @@ def test_mooncake_takes_speculators_store_block_and_writes_no_files():
     assert (c.out, c.staging, c.writer_threads, c.mooncake["num_writer_threads"]) == (None, False, 2, 2)
     with pytest.raises(ConfigError, match="expected no output directory"):
         from_sources({"hscapture": {"layers": [1], "convention": "before", "out": "/e"}}, {"mooncake": {}})
+
+
+def test_per_request_files_skip_fsync_unless_durable_is_asked_for(monkeypatch):
+    """The client takes each file as its lock frees (atomic renames keep it whole); fsync only when asked."""
+    monkeypatch.delenv("HSCAPTURE_DURABLE", raising=False)
+    base = {"hscapture": {"layers": [1], "convention": "before"}}
+    assert from_sources(base, {"out": "/d"}).durable is False
+    assert from_sources({"hscapture": {**base["hscapture"], "durable": True}}, {"out": "/d"}).durable is True
+    monkeypatch.setenv("HSCAPTURE_DURABLE", "1")
+    assert from_sources(base, {"out": "/d"}).durable is True
+    assert from_sources({"hscapture": {**base["hscapture"], "out": "/e"}}).durable is True, "a capture directory is"

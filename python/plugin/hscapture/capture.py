@@ -61,6 +61,9 @@ class WorkerCapture:
         self.device_path = "none"
         self.fp8_on_device = False  # the device path quantizes each step for the fp8 format (wiring.py)
         self.overlap = False
+        # Per-request files whose clients wait for them, from an engine that may not step again: every device step
+        # is collected at its own end instead of the next step's (wiring.py).
+        self.settle_each_step = False
         self.handles: list[Any] = []
         self.traced_points: tuple[int, ...] | None = None  # under torch.compile: each tap's capture point
         self.traced_taps = 0  # taps of the compiled graph during captured steps
@@ -189,7 +192,8 @@ class WorkerCapture:
             if self.link is not None and self.session.in_step:
                 self.link.exchange(self.step_order)
             self.rpc.check_step(self.session)
-            return self.session.end_step()
+            reports = self.session.end_step()
+            return reports + self.session.flush() if self.settle_each_step else reports
 
         try:
             self.sync.meet("ending a step", account)

@@ -242,6 +242,11 @@ def from_sources(additional_config: dict | None, connector: dict | None = None) 
     }
     merged = {**defaults, **values}
     staging = bool(connector) and mooncake is None
+    if staging and "durable" not in values:
+        # Per-request files are a hand-over, not a dataset: the client reads each one as soon as its lock is free
+        # and moves it away (speculators writes its own copy), and a server that dies fails the requests in flight.
+        # Atomic renames keep every file whole; an fsync per file and directory would only slow the server down.
+        merged["durable"] = False
     if connector and merged.get("on_nonfinite") == "skip":
         raise ConfigError(
             "on_nonfinite=skip with the KV connector: a skipped sample's answer would name a file that never appears; "

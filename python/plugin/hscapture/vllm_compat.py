@@ -199,6 +199,18 @@ class RunnerOrder:
 _VLLM_COMPILE = 3  # vLLM's CompilationMode.VLLM_COMPILE (0.16 to 0.32; the older `level` PIECEWISE was 3 too)
 
 
+def engine_in_caller() -> bool:
+    """Whether vLLM's engine core runs in the caller's process (``LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
+    it then steps only while a ``generate`` waits for outputs, so after the last one no step comes (an engine core
+    process of its own steps once more to report the finished requests)."""
+    try:
+        import vllm.envs as venvs
+
+        return not bool(venvs.VLLM_ENABLE_V1_MULTIPROCESSING)
+    except (ImportError, AttributeError):
+        return False
+
+
 def compiled(vllm_config: Any) -> bool:
     """Whether vLLM will run the model through torch.compile (the hooks are then traced into its graph and
     call hscapture's ops, ``traced.py``). Refuses what is not verified: CUDA graphs (a replayed graph would

@@ -102,6 +102,10 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
     except HscaptureError as e:  # reported after the ranks compared paths, so that none waits for this one
         cap.device_path, failure = "failed", e
     sync.agree_on_path(cap.device_path, cap.overlap, failure)
+    # A device step is collected when a later step runs; the step that reports a server's finished requests always
+    # comes, but an engine in the caller's process steps only inside `generate`: its last files would wait for the
+    # next call while their clients wait for them.
+    cap.settle_each_step = cfg.staging and cap.device_path == "device" and vllm_compat.engine_in_caller()
     install_hooks(cap, vc, layers, points, compiled)
     log.info(
         "hscapture: capturing %s ids %s at %s (%d hooks%s), tp rank %d/%d, pp rank %d/%d, writer=%s",

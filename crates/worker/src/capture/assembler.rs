@@ -55,6 +55,7 @@ enum Msg {
     Step(ScatterJob, StepBuffer),
     Drop(String),
     Sink(Option<Submitter>),
+    Quantize,
     Fence(Sender<()>),
     /// Tests only: the thread waits until the sender is used or dropped.
     #[cfg(test)]
@@ -116,6 +117,11 @@ fn run(rx: Receiver<Msg>, back: Sender<StepBuffer>, ready: Ready, failure: Failu
             }
             Msg::Drop(req_id) => scatter.drop_request(&req_id),
             Msg::Sink(s) => sink = s,
+            Msg::Quantize => {
+                if let Err(e) = scatter.set_quantized() {
+                    failure.report(ORIGIN, e);
+                }
+            }
             Msg::Fence(ack) => {
                 let _ = ack.send(());
             }
@@ -164,6 +170,13 @@ impl Assembler {
     /// so a writer can finish).
     pub fn set_sink(&self, w: Option<Submitter>) -> CoreResult<()> {
         self.send(Msg::Sink(w))?;
+        self.fence()
+    }
+
+    /// Rows arrive as fp8 codes and scales from now on (see [`Scatter::set_quantized`]); the thread, and the sink
+    /// it hands samples to, stay. Returns once the thread has switched.
+    pub fn set_quantized(&self) -> CoreResult<()> {
+        self.send(Msg::Quantize)?;
         self.fence()
     }
 

@@ -184,6 +184,13 @@ impl Scatter {
         Scatter { geo, bufs: HashMap::new(), pool, held: Arc::new(AtomicUsize::new(0)) }
     }
 
+    /// Rows arrive as fp8 codes and scales from now on (a quantizing device). Only while no request is held.
+    pub fn set_quantized(&mut self) -> CoreResult<()> {
+        ensure!(self.bufs.is_empty(), Config, "the scatter's rows become fp8 codes only before the first step");
+        self.geo.quantized = true;
+        Ok(())
+    }
+
     /// A counter of the bytes held by requests whose prompt is not complete yet.
     pub fn held_counter(&self) -> Arc<AtomicUsize> {
         Arc::clone(&self.held)

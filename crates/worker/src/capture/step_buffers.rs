@@ -70,15 +70,15 @@ impl StepBuffers {
         Ok(())
     }
 
-    /// Rows arrive as fp8 codes and scales (a quantizing device) from now on: a scatter of that geometry, on the
-    /// same side (inline or its own thread). Only before the first step.
+    /// Rows arrive as fp8 codes and scales (a quantizing device) from now on, on the same side (inline or the
+    /// assembler thread, which keeps the sink it was given: a sample completed after the last call into the session
+    /// still reaches the writer). Only before the first step.
     pub fn set_quantized(&mut self) -> CoreResult<()> {
+        match &mut self.scattering {
+            Scattering::Inline(sc) => sc.set_quantized()?,
+            Scattering::Background(a) => a.set_quantized()?,
+        }
         self.geo.quantized = true;
-        let scatter = Scatter::new(self.geo, Arc::clone(&self.pool));
-        self.scattering = match self.scattering {
-            Scattering::Inline(_) => Scattering::Inline(scatter),
-            Scattering::Background(_) => Scattering::Background(Assembler::start(scatter, self.failure.clone())?),
-        };
         Ok(())
     }
 

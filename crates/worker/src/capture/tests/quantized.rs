@@ -58,3 +58,58 @@ fn a_quantizing_device_needs_every_slot_on_the_assembling_rank() {
     let e = unsafe { s.capture(0, &super::tests::desc(&v, 2), None, 0) }.unwrap_err();
     assert!(e.message.contains("host tensor"), "{}", e.message);
 }
+
+/// Keeps the request ids of the samples it is given, as the writer's sink.
+#[derive(Default)]
+struct Seen(std::sync::Mutex<Vec<(String, bool)>>);
+
+impl crate::output::sink::Sink for Seen {
+    fn put(&self, s: &crate::output::sample::Sample) -> crate::error::CoreResult<crate::output::record::SampleRecord> {
+        self.0.lock().unwrap().push((s.req_id.clone(), s.scales.is_some()));
+        let rec = crate::output::record::SampleRecord {
+            index: None,
+            request_id: Some(s.req_id.clone()),
+            file: String::new(),
+            length: s.rows,
+            checksum: String::new(),
+            bytes: 0,
+        };
+        Ok(rec)
+    }
+}
+
+#[test]
+fn a_quantizing_device_keeps_the_writer_the_assembler_hands_samples_to() {
+    // The wiring order: background assembly with the writer as its sink, then the device. A KV-connector server's
+    // last step before idling is collected by the empty step that reports its requests finished; nothing calls the
+    // session after that, so the assembler thread itself must hand the samples to the writer (their clients wait
+    // for the files' locks).
+    use crate::output::writer::{Writer, WriterConfig};
+    use std::sync::Arc;
+    let mut s = session(&[5, 1], true);
+    s.set_background(2).unwrap();
+    let seen = Arc::new(Seen::default());
+    let wcfg = WriterConfig { threads: 1, queue: 4, pool: Some(s.pool()), keep_records: false };
+    let mut writer = Writer::start(seen.clone(), wcfg, s.failure().clone()).unwrap();
+    s.set_sink(writer.submitter()).unwrap();
+    s.set_device(Box::new(HostDevice::quantizing(2, 64, 3)), true).unwrap();
+    let total = 3;
+    s.begin_step(input(vec![req("a", 3, 0)], vec![], &[("a", 3)])).unwrap();
+    s.plan(&["a".to_string()]).unwrap();
+    for (slot, layer) in [1usize, 5].into_iter().enumerate() {
+        let (h, r) = (super::tests::layer_output(layer, total, 0.0), super::tests::layer_output(layer, total, 0.5));
+        let cuda = |d: crate::capture::tensor::TensorDesc| crate::capture::tensor::TensorDesc { device: crate::capture::tensor::Device::Cuda(0), ..d };
+        // SAFETY: `h` and `r` are live for the call; the stand-in device copies them at once.
+        unsafe { s.capture(slot, &cuda(super::tests::desc(&h, total)), Some(&cuda(super::tests::desc(&r, total))), 0).unwrap() };
+    }
+    assert!(s.end_step().unwrap().is_empty(), "overlap: the step stays in flight");
+    s.begin_step(crate::attribution::plan::StepInput { finished: vec!["a".into()], ..Default::default() }).unwrap();
+    s.end_step().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while seen.0.lock().unwrap().is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(*seen.0.lock().unwrap(), [("a".to_string(), true)], "the fp8 sample reached the writer with no later call");
+    s.set_sink(None).unwrap();
+    writer.finish().unwrap();
+}

@@ -13,8 +13,10 @@
 # vLLM's asynchronous scheduling off/on in every mode (does hscapture's per-step wait cost the overlap?);
 # compiled = eager vs torch.compile (no CUDA graphs) vs CUDA graphs, Llama shape
 # (modes plain,hscapture,plain_compiled,hscapture_compiled,plain_graphs) and the compiled GPU oracle test;
-# fp8 = bf16 vs fp8 files (modes plain,hscapture,hscapture_fp8,hscapture_fp8_host); connector = bench/connector.py
-# (vllm serve with the KV connector, driven as speculators' client does: plain, file, fp8);
+# fp8 = bf16 vs fp8 files (modes plain,hscapture,hscapture_fp8,hscapture_fp8_host); serve = bench/serve.py
+# (vllm serve with each hidden-states path, driven by speculators' own generate-offline-data: plain, hscapture's
+# connector file and fp8, vLLM's extract_hidden_states with its own and hs_connectors' fp8 connector; decode with
+# include_output_tokens), MODELS, SERVE_MODES, SAMPLES and DECODE narrowing it;
 # tp2 (nvidia-h200-x2) = the same benchmark at tensor-parallel 2 (modes plain,hscapture,vllm by default).
 # (The DeepSeek-V3 TP=2 vs TP=1 check in float32 cannot run there: vLLM 0.23 has no float32 MLA backend.)
 # Logs go to $OUT (they come back with the call).
@@ -27,6 +29,10 @@ case "$what" in
     cp -r ../shared/gpu/vllm-0.23 .gpu/vllm-0.23
     .venv/bin/maturin build --release -q -o .gpu/stage/whl
     .venv/bin/pip download -q --no-deps -d .gpu/stage/whl pytest==8.4.2 pluggy iniconfig packaging pygments
+    # What `vllm serve` and speculators' generate-offline-data need beyond the payload (scripts/gpu_serve_wheels.txt).
+    grep -v '^#' scripts/gpu_serve_wheels.txt | xargs python3 -m pip download -q --no-deps --only-binary=:all: \
+      --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 --platform any -d .gpu/stage/whl
     # speculators' fp8 quantizer (one file) for the fp8 kernel's bit-for-bit test.
     mkdir -p .gpu/stage/spec/speculators-0.9.0/hs_connectors
     cp .venv/speculators-0.9.0/hs_connectors/fp8_utils.py .gpu/stage/spec/speculators-0.9.0/hs_connectors/
@@ -65,9 +71,13 @@ case "$what" in
       python3 bench/gpu.py --models "${MODELS:-llama8b,dsv3}" --modes "${MODES:-plain,hscapture,hscapture_fp8,hscapture_fp8_host}" \
         --prompts "${PROMPTS:-64}" --batch 16 --length 1024 --rounds 2 2>&1 | tee "$out/fp8-bench.log"
     fi
-    if [[ ",$parts," == *",connector,"* ]]; then  # vllm serve with the KV connector, driven as speculators does
-      python3 bench/connector.py --model llama8b --modes "${CONNECTOR_MODES:-plain,file,fp8}" --prompts "${PROMPTS:-64}" \
-        --length 1024 --concurrency 32 2>&1 | tee "$out/connector-bench.log"
+    if [[ ",$parts," == *",serve,"* ]]; then  # vllm serve with each path, driven by speculators' own client
+      disk=/var/tmp/hsserve  # on the machine's disk, not tmpfs: the figure is "at the disk wall"
+      mkdir -p "$disk" && df -hT "$disk" | tee -a "$out/serve.log"
+      python3 bench/serve.py --models "${MODELS:-llama8b,dsv3}" \
+        --modes "${SERVE_MODES:-plain,hscapture-file,hscapture-fp8,vllm-file,vllm-fp8}" --samples "${SAMPLES:-512}" \
+        --length 1024 --concurrency 32 --decode "${DECODE:-128}" --out "$disk" 2>&1 | tee -a "$out/serve.log"
+      cp "$disk"/serve-*.log "$disk"/gen-*.log "$out"/ 2>/dev/null || true
     fi
     if [[ ",$parts," == *",durable,"* ]]; then
       python3 bench/gpu.py --models llama8b --modes plain,hscapture_durable \
@@ -75,7 +85,7 @@ case "$what" in
     fi
     ;;
   *)
-    echo "usage: $0 stage | install | run [tests,bench,fp8,connector,durable,compiled,tp2]" >&2
+    echo "usage: $0 stage | install | run [tests,bench,fp8,serve,durable,compiled,tp2]" >&2
     exit 2
     ;;
 esac

@@ -73,6 +73,32 @@ class NaNWorker(CaptureWorker):
     capture_cls = _NaNInSample1
 
 
+class _Sample3DiffersOnRank1(_NaNInSample1):
+    """Rank 1 alone sees one value of sample index 3's rows changed: the ranks disagree first at the step that
+    schedules it (under max_num_seqs=1 with a one-step prompt, the step that also completes it)."""
+
+    def begin(self, scheduler_output):
+        from hscapture.vllm_compat import sample_index
+
+        WorkerCapture.begin(self, scheduler_output)
+        for r in scheduler_output.scheduled_new_reqs:
+            if sample_index(r.sampling_params) == 3:
+                self._poisoned = r.req_id
+
+    def capture(self, slot, hidden, residual):
+        target = getattr(self, "_poisoned", None)
+        order = self.step_order()
+        if self.tp.rank == 1 and target in order and self._scheduled.get(target, 0) > 0:
+            at = sum(self._scheduled.get(r, 0) for r in order[: order.index(target)])
+            hidden = hidden.clone()
+            hidden[at, 0] += 1.0
+        WorkerCapture.capture(self, slot, hidden, residual)
+
+
+class Sample3DiffersOnRank1Worker(CaptureWorker):
+    capture_cls = _Sample3DiffersOnRank1
+
+
 MARKER = 1000  # a prompt starting with this token gets a NaN in its rows (NaNInMarkedPromptWorker)
 
 

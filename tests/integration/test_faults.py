@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 from helpers import TOL, extract, prompts, reference
 
 from hscapture.testing.compare import compare
@@ -23,19 +26,34 @@ def test_wrong_capture_is_caught(tmp_path, tiny_model, worker):
 
 
 @pytest.mark.newest
-def test_tp_ranks_that_disagree_are_named(tmp_path, tiny_model):
-    from hscapture import RankMismatchError
+def test_a_step_the_ranks_disagree_on_leaves_nothing_and_resume_heals_it(tmp_path, tiny_model):
+    """Rank 1's rows of sample 3 differ (one request per step; sample 3's one step also completes it). The run
+    fails naming the ranks, and nothing of that step or later is on disk: no file, no journal line, no record —
+    although the writing rank's own rows of sample 3 were whole, they were never agreed on. A resumed run captures
+    the rest, and the dataset equals an uninterrupted run's bit for bit (the same steps at TP=2)."""
+    from hscapture import RankMismatchError, load_sample
 
+    model, ps = tiny_model("llama"), prompts(5, lengths=(6, 40, 12, 20, 70, 5, 33, 9))
+    kw = dict(tp=2, convention="after", layers=[1, 3])
+    seq = {"max_num_seqs": 1}
     with pytest.raises(RankMismatchError, match=r"ranks \[1\] disagree with rank 0"):
-        extract(
-            tmp_path,
-            tiny_model("llama"),
-            prompts(5, lengths=(6, 9)),
-            tp=2,
-            convention="after",
-            layers=[1],
-            llm_kwargs={"worker_cls": "faulty.PerturbedRankWorker"},
-        )
+        extract(tmp_path / "a", model, ps, llm_kwargs={**seq, "worker_cls": "faulty.Sample3DiffersOnRank1Worker"}, **kw)
+    out = tmp_path / "a" / "out"
+    files = sorted(p.name for p in (out / "hidden_states").iterdir())
+    assert files == ["hs_0.safetensors", "hs_1.safetensors", "hs_2.safetensors"], files
+    journal = (out / "records.jsonl").read_text().splitlines()[1:]  # after the identity line
+    assert sorted(json.loads(line)["index"] for line in journal) == [0, 1, 2], journal
+    assert not (out / "manifest.json").exists()
+    kept = {f: (out / "hidden_states" / f).read_bytes() for f in files}
+
+    rep, resumed = extract(tmp_path / "a", model, ps, llm_kwargs=seq, resume=True, **kw)
+    assert rep.samples == len(ps) - len(kept), "the resumed run captures exactly the samples that were missing"
+    assert all((out / "hidden_states" / f).read_bytes() == b for f, b in kept.items()), "kept files untouched"
+    _, fresh = extract(tmp_path / "b", model, ps, llm_kwargs=seq, **kw)
+    for i, (a, b) in enumerate(zip(resumed, fresh, strict=True)):
+        assert a["token_ids"].tolist() == b["token_ids"].tolist() == ps[i]
+        assert torch.equal(a["hidden_states"], b["hidden_states"]), f"sample {i} differs from an uninterrupted run"
+    assert [load_sample(out / "hidden_states" / f"hs_{i}.safetensors")["token_ids"].tolist() for i in range(8)] == ps
 
 
 def test_non_finite_values_fail_by_default_and_are_skipped_on_request(tmp_path, tiny_model):

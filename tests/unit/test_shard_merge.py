@@ -185,6 +185,7 @@ def test_merge_legacy_shards(tmp_path):
             for slot in range(2):
                 s.capture(slot, torch.full((i + 1, H), float(i)))
             s.end_step()
+            s.release()
         records = sorted(s.finish(), key=lambda r: r["index"])
         meta = {"layer_ids": [1, 3], "convention": "after", "dtype": "bfloat16", "hidden_size": H}
         m = {

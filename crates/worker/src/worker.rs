@@ -3,6 +3,11 @@
 //! RPC surface), or nothing on a rank that only verifies. The session, its assembler thread and the
 //! writer share one [`Failure`]: the first failure anywhere refuses every later call.
 //!
+//! Only what the tensor-parallel ranks agreed on is stored: a step's samples wait (here, or on the
+//! assembler thread) until [`WorkerSession::release`], which the caller calls once the ranks' meeting
+//! over the steps accounted so far has passed; samples of steps never released are dropped, never
+//! written or journaled.
+//!
 //! Shutdown order: the assembler thread hands its last samples over and drops its submitter before
 //! the writer finishes (the writer's threads stop only once every submitter is gone).
 
@@ -84,6 +89,10 @@ pub struct WorkerSession {
     aborted: Vec<Aborted>,
     /// A staging directory's locks (per-request files): those of aborted requests are given up.
     locks: Option<Arc<Locks>>,
+    /// Samples scattered inline whose steps are not released yet.
+    pending: Vec<Sample>,
+    /// The newest step accounted so far: what the next release covers.
+    accounted: Option<u64>,
 }
 
 /// The identity of a capture of `cfg` stored in `format` as `out` says.
@@ -152,7 +161,7 @@ impl WorkerSession {
                 Output::Files(Writer::start(sink, wcfg, failure)?)
             }
         };
-        Ok(WorkerSession { session, output, format: format_name, aborted: Vec::new(), locks: staged })
+        Ok(WorkerSession { session, output, format: format_name, aborted: Vec::new(), locks: staged, pending: Vec::new(), accounted: None })
     }
 
     pub fn session(&self) -> &Session {
@@ -167,6 +176,7 @@ impl WorkerSession {
     /// straight to the writer. Only before the first step.
     pub fn set_background(&mut self, ring: usize) -> CoreResult<()> {
         self.session.set_background(ring)?;
+        self.session.set_gated()?;
         let sink = match &self.output {
             Output::Files(w) => w.submitter(),
             _ => None,
@@ -187,14 +197,15 @@ impl WorkerSession {
         self.session.set_device(device, overlap)
     }
 
-    /// Hands the samples of `outs` and those the assembler thread completed (all of them, waiting,
-    /// with `fence`) to the output.
+    /// Keeps the samples of `outs` until their steps are released, and stores those the assembler thread
+    /// released (all of them so far, waiting, with `fence`).
     fn route(&mut self, outs: Vec<StepOutcome>, fence: bool) -> CoreResult<Vec<StepReport>> {
-        let mut ready = self.session.take_ready(fence)?;
+        let ready = self.session.take_ready(fence)?;
         let mut reports = Vec::with_capacity(outs.len());
         for mut out in outs {
             reports.push(StepReport { step: out.step, checksum: out.checksum, rows: out.rows, completed: out.completed.len() });
-            ready.append(&mut out.completed);
+            self.accounted = Some(self.accounted.map_or(out.step, |a| a.max(out.step)));
+            self.pending.append(&mut out.completed);
             if let Some(locks) = &self.locks {
                 out.aborted.iter().for_each(|a| locks.abandon(&a.req_id));
             }
@@ -203,12 +214,29 @@ impl WorkerSession {
                 self.aborted.append(&mut out.aborted);
             }
         }
-        match &mut self.output {
-            Output::Files(w) => ready.into_iter().try_for_each(|s| w.submit(s))?,
-            Output::Memory(kept) => kept.extend(ready),
-            Output::Nothing => {}
-        }
+        self.store(ready)?;
         Ok(reports)
+    }
+
+    fn store(&mut self, samples: Vec<Sample>) -> CoreResult<()> {
+        match &mut self.output {
+            Output::Files(w) => samples.into_iter().try_for_each(|s| w.submit(s)),
+            Output::Memory(kept) => {
+                kept.extend(samples);
+                Ok(())
+            }
+            Output::Nothing => Ok(()),
+        }
+    }
+
+    /// Every step accounted so far is agreed on (the ranks' meeting passed): its samples are stored.
+    pub fn release(&mut self) -> CoreResult<()> {
+        let Some(upto) = self.accounted else {
+            return Ok(());
+        };
+        self.session.release(upto)?;
+        let agreed = std::mem::take(&mut self.pending);
+        self.store(agreed)
     }
 
     /// See [`Session::begin_step`].
@@ -277,8 +305,9 @@ impl WorkerSession {
         self.take_records()
     }
 
-    /// Finishes the output: every queued sample written, the writer's threads joined — even after an
-    /// error, which is reported after that. Returns the records not yet taken.
+    /// Finishes the output: every released sample written, the writer's threads joined — even after an
+    /// error, which is reported after that; samples of steps never released are dropped. Returns the
+    /// records not yet taken.
     pub fn finish(&mut self) -> CoreResult<Vec<SampleRecord>> {
         let mut first = self.route(Vec::new(), true).err();
         // Always: the writer's threads stop only once the assembler thread's submitter is gone.

@@ -3,7 +3,7 @@
 Per step (``execute_model``, bracketed by :func:`run_step`): ``begin`` with the scheduler output; the
 first hook of the forward reads the order the runner laid the step out in and fixes the plan; each hook
 captures its slot; ``end`` checks the contract, meets the other tensor-parallel ranks (``ranksync.py``)
-and hands completed samples to the output (on the writing rank). ``WorkerCapture.from_worker`` wires one
+and, once they agree, hands completed samples to the output (on the writing rank). ``WorkerCapture.from_worker`` wires one
 to a vLLM worker (``wiring.py``); the constructor takes the parts, so tests build one without an engine.
 """
 
@@ -102,9 +102,16 @@ class WorkerCapture:
             raise
 
     # -- the step protocol -------------------------------------------------------------------
+    def _meet(self, what: str, call: Callable[[], list]) -> list:
+        """``call`` (a session call that accounts steps) at a meeting of the TP ranks; once it passed, every step
+        accounted so far is agreed on, and only then are its samples stored (``release``)."""
+        outcomes = self.sync.meet(what, call)
+        self._recorded(self.session.release)
+        return outcomes
+
     def begin(self, scheduler_output: Any) -> None:
         try:  # device steps still in flight beyond the one overlap keeps are accounted here
-            self.sync.meet("a new step", lambda: self.session.begin_step(*vllm_compat.step_args(scheduler_output)))
+            self._meet("a new step", lambda: self.session.begin_step(*vllm_compat.step_args(scheduler_output)))
         except HscaptureError:
             if self.session.in_step:
                 self.session.abandon_step()  # this step will not run; the next one must not find it begun
@@ -196,7 +203,7 @@ class WorkerCapture:
             return reports + self.session.flush() if self.settle_each_step else reports
 
         try:
-            self.sync.meet("ending a step", account)
+            self._meet("ending a step", account)
         except BaseException:
             if self.session.in_step:
                 self.session.abandon_step()  # a hook failed, or a check: the step is not committed
@@ -226,7 +233,7 @@ class WorkerCapture:
 
     def flush(self) -> None:
         """Accounts the device steps still in flight (refused after a failure of any rank)."""
-        self.sync.meet("collecting the capture's results", self.session.flush)
+        self._meet("collecting the capture's results", self.session.flush)
 
     def drain(self) -> list[dict]:
         """Waits until every completed sample is stored (capture continues); returns new records.

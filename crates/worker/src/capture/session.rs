@@ -117,6 +117,16 @@ impl Session {
         self.buffers.set_sink(w)
     }
 
+    /// Background assembly holds each step's samples until [`Session::release`] covers the step.
+    pub fn set_gated(&mut self) -> CoreResult<()> {
+        self.buffers.set_gated()
+    }
+
+    /// Steps up to `upto` are agreed on (the ranks compared their checksums): their samples may be stored.
+    pub fn release(&mut self, upto: u64) -> CoreResult<()> {
+        self.buffers.release(upto)
+    }
+
     pub fn background(&self) -> bool {
         self.buffers.background()
     }

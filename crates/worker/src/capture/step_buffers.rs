@@ -99,6 +99,23 @@ impl StepBuffers {
         }
     }
 
+    /// The assembler thread holds each step's samples until [`StepBuffers::release`] covers the step (inline,
+    /// the caller holds the samples each step's outcome carries). Only before the first step.
+    pub fn set_gated(&mut self) -> CoreResult<()> {
+        match &self.scattering {
+            Scattering::Background(a) => a.set_gated(),
+            Scattering::Inline(_) => Ok(()),
+        }
+    }
+
+    /// Steps up to `upto` are agreed on: the assembler thread hands their samples over.
+    pub fn release(&mut self, upto: u64) -> CoreResult<()> {
+        match &self.scattering {
+            Scattering::Background(a) => a.release(upto),
+            Scattering::Inline(_) => Ok(()),
+        }
+    }
+
     pub fn arena(&self) -> &Arena {
         &self.arena
     }

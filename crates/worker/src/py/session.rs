@@ -222,6 +222,15 @@ impl CaptureSession {
         })
     }
 
+    /// Every step accounted so far is agreed on by the ranks (their meeting passed): its samples are stored.
+    /// Samples of steps never released are never written.
+    fn release(&mut self, py: Python<'_>) -> PyResult<()> {
+        guard("release", || {
+            let inner = &mut self.inner;
+            Ok(py.detach(|| inner.release())?)
+        })
+    }
+
     /// Copies rows into per-request buffers on a thread of its own (a ring of `ring` step buffers).
     #[pyo3(signature = (ring=2))]
     fn set_background(&mut self, ring: usize) -> PyResult<()> {

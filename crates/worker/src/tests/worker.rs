@@ -29,7 +29,14 @@ fn out(root: Option<PathBuf>) -> OutputSettings {
     }
 }
 
+/// A step, then its release (as the caller does once the ranks' meeting passed).
 fn step(w: &mut WorkerSession, i: u64) -> Vec<StepReport> {
+    let r = step_unreleased(w, i);
+    w.release().unwrap();
+    r
+}
+
+fn step_unreleased(w: &mut WorkerSession, i: u64) -> Vec<StepReport> {
     let id = format!("r{i}");
     let input = StepInput {
         new_requests: vec![NewRequest {
@@ -183,4 +190,34 @@ fn an_aborted_request_with_outputs_gives_up_its_lock_and_its_lock_file() {
     w.end_step().unwrap();
     assert!(!lock.exists(), "no response names its file: the lock and its file go");
     w.finish().unwrap();
+}
+
+#[test]
+fn samples_are_stored_only_once_their_steps_are_released() {
+    // The ranks meet after each call that accounts steps; only then does the caller release them. A step
+    // whose meeting failed is never released: its samples are neither written nor journaled.
+    let d = tempfile::tempdir().unwrap();
+    for background in [false, true] {
+        let root = d.path().join(format!("bg{background}"));
+        let mut w = WorkerSession::new(cfg(true), out(Some(root.clone()))).unwrap();
+        if background {
+            w.set_background(2).unwrap();
+        }
+        step(&mut w, 0);
+        step_unreleased(&mut w, 1); // its meeting fails: never released
+        let recs = w.drain().unwrap();
+        assert_eq!(recs.iter().map(|r| r.index).collect::<Vec<_>>(), [Some(0)], "background {background}");
+        let mut more = w.finish().unwrap();
+        more.extend(recs);
+        assert_eq!(more.len(), 1, "the unreleased sample is dropped at the end, background {background}");
+        assert!(root.join("hidden_states/hs_0.safetensors").exists());
+        assert!(!root.join("hidden_states/hs_1.safetensors").exists(), "background {background}");
+        let journal = std::fs::read_to_string(root.join(crate::output::journal::FILE)).unwrap();
+        assert!(journal.contains("hs_0.") && !journal.contains("hs_1."), "journaled only what was released: {journal}");
+    }
+    let mut mem = WorkerSession::new(cfg(true), out(None)).unwrap();
+    step_unreleased(&mut mem, 4);
+    assert!(mem.take_samples().unwrap().is_empty(), "kept for the caller only once released");
+    mem.release().unwrap();
+    assert_eq!(mem.take_samples().unwrap().len(), 1);
 }

@@ -98,7 +98,10 @@ fn a_quantizing_device_keeps_the_writer_the_assembler_hands_samples_to() {
     s.plan(&["a".to_string()]).unwrap();
     for (slot, layer) in [1usize, 5].into_iter().enumerate() {
         let (h, r) = (super::tests::layer_output(layer, total, 0.0), super::tests::layer_output(layer, total, 0.5));
-        let cuda = |d: crate::capture::tensor::TensorDesc| crate::capture::tensor::TensorDesc { device: crate::capture::tensor::Device::Cuda(0), ..d };
+        let cuda = |d: crate::capture::tensor::TensorDesc| crate::capture::tensor::TensorDesc {
+            device: crate::capture::tensor::Device::Cuda(0),
+            ..d
+        };
         // SAFETY: `h` and `r` are live for the call; the stand-in device copies them at once.
         unsafe { s.capture(slot, &cuda(super::tests::desc(&h, total)), Some(&cuda(super::tests::desc(&r, total))), 0).unwrap() };
     }

@@ -10,6 +10,8 @@ Modes (each its own server: random weights, `--load-format dummy`, bf16, eager, 
   hscapture-fp8    the same, `format: fp8` (quantized on the GPU)
   vllm-file        vLLM's `extract_hidden_states` with its `ExampleHiddenStatesConnector`
   vllm-fp8         vLLM's `extract_hidden_states` with hs_connectors' `FP8HiddenStatesConnector`
+  offline          no server: `hscapture extract` of the same prompts into the same disk (its defaults: bf16,
+                   fsync per file), for the writer's GB/s beside the servers'
 Each capture mode runs `generate-offline-data --concurrency C --max-retries 0 --fail-on-error` on a prepared dataset
 of `--samples` random prompts, once on 2·C samples to warm up, then on all; the rate is taken from the first to the
 last file the client wrote (its own start-up excluded), and end to end. `--decode N` adds, on `plain` and
@@ -230,6 +232,37 @@ def drive_speculators(server: Server, data: Path, out: Path, n: int, concurrency
     return res
 
 
+_OFFLINE = """
+import json, sys
+from hscapture.cli.extract import ExtractOptions, run_extract
+model, prompts, out, layers = sys.argv[1], json.load(open(sys.argv[2])), sys.argv[3], json.loads(sys.argv[4])
+kw = {"load_format": "dummy", "enable_chunked_prefill": False, "gpu_memory_utilization": 0.85}
+rep = run_extract(ExtractOptions(model=model, prompts=prompts, out=out, convention="before", layers=layers,
+                                 dtype="bfloat16", max_num_batched_tokens=int(sys.argv[5]), progress=False, llm_kwargs=kw))
+print("OFFLINE " + json.dumps({"seconds": rep.seconds, "bytes": rep.bytes, "tokens": rep.tokens}), flush=True)
+"""
+
+
+def drive_offline(
+    model: Path, prompts: list[list[int]], out: Path, layers: list[int], batch_tokens: int, log: Path
+) -> dict:
+    """`hscapture extract` of the prompts (its own engine, in this machine's disk): the offline writer's rate."""
+    subprocess.run(["rm", "-rf", str(out)])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    listing = out.parent / f"{out.name}-prompts.json"
+    listing.write_text(json.dumps(prompts))
+    cmd = [sys.executable, "-c", _OFFLINE, str(model), str(listing), str(out), json.dumps(layers), str(batch_tokens)]
+    with log.open("w") as f:
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("OFFLINE ")]
+    if r.returncode != 0 or not line:
+        raise RuntimeError(f"[offline] hscapture extract failed:\n{log.read_text()[-3000:]}")
+    rep = json.loads(line[-1][len("OFFLINE ") :])
+    n = len(prompts)
+    rate = n / rep["seconds"]
+    return {"n": n, "seconds": rep["seconds"], "end_to_end": rate, "steady": rate, "bytes": rep["bytes"]}
+
+
 def consume(path: str, rows: int, n_layers: int) -> int:
     """A client's part: wait for the lock, check the header's shape, remove file and lock."""
     lock = path + ".lock"
@@ -294,6 +327,23 @@ def run_model(name: str, args) -> None:
     ]
     results: dict[str, dict] = {}
     for mode in args.modes.split(","):
+        if mode == "offline":
+            try:
+                r = drive_offline(
+                    model, prompts, out / f"offline-{name}", layers, args.batch_tokens, out / f"offline-{name}.log"
+                )
+            except RuntimeError as e:
+                print(f"[{name}/{mode}] FAILED: {e}", flush=True)
+                continue
+            finally:
+                subprocess.run(["rm", "-rf", str(out / f"offline-{name}")])
+            results[mode] = r
+            print(
+                f"[{name}/{mode}] {r['steady']:.1f} samples/s ({r['steady'] * args.length:,.0f} tok/s, {r['seconds']:.1f} s "
+                f"capture and files), {r['bytes'] / (r['n'] * args.length):,.0f} B/token, {r['bytes'] / r['seconds'] / 1e9:.2f} GB/s",
+                flush=True,
+            )
+            continue
         stage = out / f"stage-{name}-{mode}"
         subprocess.run(["rm", "-rf", str(stage)])
         stage.mkdir(parents=True)
@@ -356,6 +406,8 @@ def run_model(name: str, args) -> None:
 
 
 def main() -> None:
+    # A time limit's SIGTERM unwinds (each server is stopped in a `finally`; they run in sessions of their own).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llama8b,dsv3")
     ap.add_argument("--modes", default="plain,hscapture-file,hscapture-fp8,vllm-file,vllm-fp8")

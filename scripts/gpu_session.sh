@@ -50,8 +50,10 @@ case "$what" in
     mkdir -p "$out"
     rm -rf /tmp/hs && mkdir -p /tmp/hs && cp -r tests bench pyproject.toml /tmp/hs/   # pyproject: pytest's markers
     cd /tmp/hs
-    if [[ ",$parts," == *",tests,"* ]]; then
-      python3 -m pytest ${TESTS:-tests/gpu} -q -s --durations=12 2>&1 | tail -80 | tee "$out/tests.log"
+    python3 -c "import importlib.metadata as m; print('[gpu] vllm', m.version('vllm'), 'pyarrow', m.version('pyarrow'), 'hscapture', m.version('hscapture'))" || true
+    if [[ ",$parts," == *",tests,"* ]]; then  # the whole log under $OUT even if the call's limit cuts it short
+      timeout "${TESTS_LIMIT_S:-560}" python3 -m pytest ${TESTS:-tests/gpu} -q -s --durations=15 >"$out/tests.log" 2>&1 || true
+      grep -E "passed|failed|PASSED|FAILED|Error|SECOND_ORACLE|^[0-9.]+s call" "$out/tests.log" | tail -60
     fi
     if [[ ",$parts," == *",bench,"* ]]; then
       python3 bench/gpu.py --models "${MODELS:-llama8b,dsv3}" --modes "${MODES:-plain,hscapture,hscapture_inline,vllm}" \
@@ -73,11 +75,12 @@ case "$what" in
     fi
     if [[ ",$parts," == *",serve,"* ]]; then  # vllm serve with each path, driven by speculators' own client
       disk=/var/tmp/hsserve  # on the machine's disk, not tmpfs: the figure is "at the disk wall"
-      mkdir -p "$disk" && df -hT "$disk" | tee -a "$out/serve.log"
-      python3 bench/serve.py --models "${MODELS:-llama8b,dsv3}" \
-        --modes "${SERVE_MODES:-plain,hscapture-file,hscapture-fp8,vllm-file,vllm-fp8}" --samples "${SAMPLES:-512}" \
+      mkdir -p "$disk" && df -hT "$disk" /tmp | tee -a "$out/serve.log"
+      timeout "${SERVE_LIMIT_S:-570}" python3 bench/serve.py --models "${MODELS:-llama8b,dsv3}" \
+        --modes "${SERVE_MODES:-plain,hscapture-file,hscapture-fp8,vllm-file,vllm-fp8,offline}" --samples "${SAMPLES:-512}" \
         --length 1024 --concurrency 32 --decode "${DECODE:-128}" --out "$disk" 2>&1 | tee -a "$out/serve.log"
-      cp "$disk"/serve-*.log "$disk"/gen-*.log "$out"/ 2>/dev/null || true
+      pkill -f "vllm.entrypoints.cli.main serve" || true  # a server the limit cut off (its own session) holds the GPU
+      (cd "$disk" && tar czf "$out/serve-logs.tgz" ./*.log) || true
     fi
     if [[ ",$parts," == *",durable,"* ]]; then
       python3 bench/gpu.py --models llama8b --modes plain,hscapture_durable \

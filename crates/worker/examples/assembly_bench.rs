@@ -5,7 +5,7 @@
 //!
 //! Each step: REQS new requests of LEN tokens (defaults 16 × 1024, the GPU benchmark's step), 4 layers of
 //! width 4096 in bf16 (Llama-8B shape: 512 MiB of rows per step). Timed on the worker's thread:
-//! `begin_step` + `plan` + `end_step` + handing completed samples to the writer (8 threads, page cache,
+//! `begin_step` + `plan` + `end_step` + `release` + handing completed samples to the writer (8 threads, page cache,
 //! `OUT/<mode>`; in the background mode the assembler thread hands them over, as in the worker). Not timed: filling the step buffer (`capture`; on a GPU that is the kernel and the
 //! asynchronous copy, off the host's thread). Between steps the thread sleeps FWD_MS (default 377 ms:
 //! 16,384 tokens at the H200's plain 43,400 tok/s), during which the assembler and writer threads work.
@@ -97,6 +97,7 @@ fn run(out: PathBuf, background: bool, steps: usize, fwd: Duration, reqs: usize,
         }
         let t = Instant::now();
         s.end_step()?;
+        s.release()?; // as the worker does once its ranks' meeting passed (one rank here)
         worker += t.elapsed();
         per_step.push(worker.as_secs_f64());
         std::thread::sleep(fwd);

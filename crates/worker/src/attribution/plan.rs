@@ -24,7 +24,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::{bail, ensure, error::CoreResult};
+use crate::{bail, core_err, ensure, error::CoreResult};
 use hscapture_kernels::RowRun;
 
 /// How a finished sample is named: by its index in the input (`hs_{i}`) or by vLLM's request id.
@@ -285,7 +285,9 @@ impl Tracker {
         let mut sched = HashMap::with_capacity(input.num_scheduled.len());
         let mut sum = 0usize;
         for (id, n) in &input.num_scheduled {
-            sum += n;
+            sum = sum
+                .checked_add(*n)
+                .ok_or_else(|| core_err!(Attribution, "step {}: the scheduled token counts overflow (request {id:?}: {n})", self.step))?;
             let Some(&start) = starts.get(id.as_str()) else {
                 bail!(
                     Attribution,

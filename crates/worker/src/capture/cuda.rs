@@ -160,9 +160,19 @@ impl CudaDevice {
         );
         ensure!(ring > 0, Config, "a ring of {ring} host buffers: at least one is needed");
         let kernel = CaptureKernel::load(ordinal).map_err(kerr)?;
-        let row_bytes = width * dtype.size();
-        let (n_data, n_rows) = (slots * capacity * row_bytes, slots * capacity);
-        let n_codes = slots * capacity * width;
+        // Sizes from the caller (capacity from max_num_batched_tokens): checked before anything is allocated.
+        let sized = |what: &str, parts: &[usize]| {
+            parts
+                .iter()
+                .try_fold(1usize, |a, &p| a.checked_mul(p))
+                .filter(|n| *n <= isize::MAX as usize)
+                .ok_or_else(|| core_err!(Config, "device arena of {capacity} rows × {slots} slots × {width}: its {what} overflow"))
+        };
+        let row_bytes = sized("row bytes", &[width, dtype.size()])?;
+        let n_data = sized("bytes", &[slots, capacity, row_bytes])?;
+        let n_rows = sized("rows", &[slots, capacity])?;
+        sized("checksums", &[n_rows, 8])?;
+        let n_codes = sized("fp8 codes", &[slots, capacity, width])?;
         let n_host = if quantize { n_codes } else { n_data };
         let mut dev = CudaDevice {
             kernel,

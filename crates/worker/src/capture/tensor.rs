@@ -45,10 +45,21 @@ pub struct TensorDesc {
 }
 
 impl TensorDesc {
+    /// A descriptor read from a caller, checked: its element count and byte extent fit the address space (every
+    /// size computed from it later is then in range).
+    pub fn new(ptr: usize, shape: Vec<usize>, strides: Vec<i64>, dtype: DType, device: Device, what: &str) -> CoreResult<TensorDesc> {
+        let elems = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        let fits = elems.and_then(|n| n.checked_mul(dtype.size())).is_some_and(|b| b <= isize::MAX as usize);
+        ensure!(fits, ShapeContract, "{what}: shape {shape:?} of {dtype} describes more bytes than memory can hold");
+        let strided = strides.iter().all(|s| s.checked_abs().is_some_and(|a| (a as u64) <= isize::MAX as u64));
+        ensure!(strided, ShapeContract, "{what}: strides {strides:?} are out of range");
+        Ok(TensorDesc { ptr, shape, strides, dtype, device })
+    }
+
     /// Number of rows once leading dimensions are flattened into tokens: `[T, H]` → `T`,
-    /// `[1, T, H]` → `T`.
+    /// `[1, T, H]` → `T` (saturating: a descriptor from [`TensorDesc::new`] never reaches the bound).
     pub fn rows(&self) -> usize {
-        self.shape.iter().rev().skip(1).product()
+        self.shape.iter().rev().skip(1).fold(1usize, |a, &d| a.saturating_mul(d))
     }
 
     pub fn width(&self) -> usize {
@@ -81,7 +92,8 @@ impl TensorDesc {
         // Leading dims must collapse: stride[d] == stride[d+1] * shape[d+1] for d < n-2.
         for d in 0..n.saturating_sub(2) {
             ensure!(
-                self.shape[d] <= 1 || self.strides[d] == self.strides[d + 1] * self.shape[d + 1] as i64,
+                self.shape[d] <= 1
+                    || i64::try_from(self.shape[d + 1]).ok().and_then(|n| self.strides[d + 1].checked_mul(n)) == Some(self.strides[d]),
                 ShapeContract,
                 "{what}: leading dimensions of shape {:?} (strides {:?}) cannot be flattened into tokens; \
                  call `.contiguous()`",
@@ -104,14 +116,20 @@ impl TensorDesc {
         let stride = self.row_layout(what)?;
         ensure!(rows <= self.rows(), ShapeContract, "{what}: asked for {rows} rows of a tensor with {}", self.rows());
         let width = self.width();
-        let elems = if rows == 0 { 0 } else { (rows - 1) * stride + width };
-        ensure!(self.ptr != 0 || elems == 0, ShapeContract, "{what}: null data pointer");
-        let data: &'a [u8] = if elems == 0 {
+        let extent = match rows {
+            0 => Some(0),
+            _ => (rows - 1).checked_mul(stride).and_then(|e| e.checked_add(width)).and_then(|e| e.checked_mul(self.dtype.size())),
+        };
+        let Some(bytes) = extent.filter(|b| *b <= isize::MAX as usize) else {
+            crate::bail!(ShapeContract, "{what}: {rows} rows of stride {stride} and width {width} exceed the address space");
+        };
+        ensure!(self.ptr != 0 || bytes == 0, ShapeContract, "{what}: null data pointer");
+        let data: &'a [u8] = if bytes == 0 {
             &[]
         } else {
-            // SAFETY: the caller guarantees the allocation covers `elems` elements from `ptr`
-            // (checked against shape and strides above) and stays alive and unmodified for 'a.
-            unsafe { std::slice::from_raw_parts(self.ptr as *const u8, elems * self.dtype.size()) }
+            // SAFETY: the caller guarantees the allocation covers `bytes` bytes from `ptr` (checked against
+            // shape and strides above, without overflow) and stays alive and unmodified for 'a.
+            unsafe { std::slice::from_raw_parts(self.ptr as *const u8, bytes) }
         };
         Ok(RowSource { data, dtype: self.dtype, rows, width, row_stride: stride })
     }

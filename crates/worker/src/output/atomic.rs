@@ -33,11 +33,12 @@ pub fn is_partial(name: &str) -> bool {
 }
 
 pub fn io_err(what: &str, path: &Path, e: std::io::Error) -> crate::error::CoreError {
-    let hint = match e.raw_os_error() {
-        Some(28) => "; the disk is full: free space or choose another output directory",
-        Some(13) | Some(1) => "; permission denied: choose a directory you can write",
-        Some(30) => "; the file system is read-only",
-        Some(20) => "; a part of the path is a file, not a directory",
+    use std::io::ErrorKind;
+    let hint = match e.kind() {
+        ErrorKind::StorageFull | ErrorKind::QuotaExceeded => "; the disk is full: free space or choose another output directory",
+        ErrorKind::PermissionDenied => "; permission denied: choose a directory you can write",
+        ErrorKind::ReadOnlyFilesystem => "; the file system is read-only",
+        ErrorKind::NotADirectory => "; a part of the path is a file, not a directory",
         _ => "",
     };
     crate::core_err!(Output, "{what} {}: {e}{hint}", path.display())

@@ -24,5 +24,5 @@ pub fn describe(t: &Bound<'_, PyAny>, what: &str) -> PyResult<TensorDesc> {
     let index: Option<i64> = dev.getattr("index")?.extract()?;
     let device = Device::parse(&kind, index)
         .ok_or_else(|| core_err!(Compatibility, "{what}: tensors on {kind} are not supported; expected cpu or cuda"))?;
-    Ok(TensorDesc { ptr, shape, strides, dtype: parse_dtype(&dtype, what)?, device })
+    Ok(TensorDesc::new(ptr, shape, strides, parse_dtype(&dtype, what)?, device, what)?)
 }

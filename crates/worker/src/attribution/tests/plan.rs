@@ -223,3 +223,16 @@ fn a_finish_that_disagrees_with_the_rows_or_comes_without_tokens_is_not_a_sample
     let e = t.begin_step(finish(&[], vec![("z", vec![1])])).unwrap_err();
     assert!(e.message.contains("did not finish in this step"), "{e}");
 }
+
+#[test]
+fn scheduled_counts_that_overflow_are_refused() {
+    let mut t = Tracker::new();
+    let input = StepInput {
+        new_requests: vec![new("a", 4, 0, Some(0)), new("b", 4, 0, Some(1))],
+        num_scheduled: vec![("a".into(), usize::MAX), ("b".into(), 2)],
+        total_tokens: 6,
+        ..Default::default()
+    };
+    let e = t.begin_step(input).unwrap_err();
+    assert!(e.message.contains("overflow") || e.message.contains("scheduled"), "{}", e.message);
+}

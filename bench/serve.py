@@ -103,11 +103,8 @@ class Server:
         port = free_port()
         cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--port", str(port)]
         cmd += ["--host", "127.0.0.1", "--load-format", "dummy", "--dtype", "bfloat16", "--enforce-eager"]
-        cmd += [
-            "--skip-tokenizer-init",
-            "--max-model-len",
-            str(max(args.length, args.decode_prompt + args.decode) + 16),
-        ]
+        longest = max(args.length, args.decode_prompt + args.decode if args.decode else 0)
+        cmd += ["--skip-tokenizer-init", "--max-model-len", str(longest + 16)]
         # Chunked prefill off in every mode: vLLM 0.23 refuses its own hidden-states connector with it, and the same
         # steps everywhere make the modes comparable (16 × 1,024-token prompts fill a 16,384-token step either way).
         cmd += [

@@ -65,11 +65,11 @@ def serve(
     return Server(tmp, model, *args, env=env, name=f"serve-{fmt}-tp{tp}"), stage
 
 
-def generate(server: Server, data: Path, out: Path, validate: bool) -> subprocess.CompletedProcess:
+def generate(server: Server, data: Path, out: Path, validate: bool, *extra: str) -> subprocess.CompletedProcess:
     """speculators 0.9.0's `generate-offline-data`, unchanged."""
     cmd = [sys.executable, "-c", "import sys; from speculators.__main__ import app; sys.argv[0] = 'speculators'; app()"]
     cmd += ["generate-offline-data", "--endpoint", server.base + "/v1", "--preprocessed-data", str(data)]
-    cmd += ["--output", str(out), "--concurrency", "4", "--max-retries", "0", "--fail-on-error"]
+    cmd += ["--output", str(out), "--concurrency", "4", "--max-retries", "0", "--fail-on-error", *extra]
     cmd += ["--validate-outputs"] if validate else []
     env = {**os.environ, "PYTHONPATH": str(speculators())}
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)

@@ -221,6 +221,30 @@ def test_tp2_server_with_a_slow_disk_holds_each_response_s_lock(prepared):
     _check_file_run(out, ids, offline, exact=False)
 
 
+def test_a_disk_slower_than_the_server_delays_responses_not_files(prepared):
+    """At the disk wall the server's answers must not run ahead of its files: speculators' client waits 10 s for a
+    file's lock, then fails the sample (seen on the H200 with DeepSeek-V3-width bf16 files at 1.3 GB/s). Here one
+    writer thread writes each file 3 s late and no finished sample may wait for its file when a step ends
+    (HSCAPTURE_STAGING_BACKLOG_MIB=0): the steps wait for the writer, so every response's file is there in time.
+    With an unbounded backlog the same run loses samples to the client's timeout (the fifth answer's file is 12 s
+    behind it)."""
+    model, root, data, ids, offline = prepared
+    env = {
+        "HSCAPTURE_TEST_STAGING_DELAY_MS": "3000",
+        "HSCAPTURE_WRITER_THREADS": "1",
+        "HSCAPTURE_STAGING_BACKLOG_MIB": "0",
+    }
+    server, stage = serve(root, model, "file", env=env, extra=["--max-num-seqs", "4"])
+    out = root / "served-slow-disk"
+    with server:
+        t = time.time()
+        r = generate(server, data, out, False, "--max-samples", "8")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:] + server.log()
+    assert sorted(p.name for p in out.iterdir()) == [f"hs_{i}.safetensors" for i in range(8)]
+    assert time.time() - t >= 8 * 3, "every file was written 3 s late, one at a time"
+    _check_stage_empty(stage)
+
+
 @pytest.mark.newest
 def test_a_request_whose_capture_fails_gets_an_error_not_a_path(prepared):
     from faulty import MARKER

@@ -115,7 +115,8 @@ def test_store_captured_states_goes_through_the_contract():
     cap.begin(sched(new=[new_req("a", [1, 2, 3], None)], n={"a": 3}))
     with pytest.raises(ShapeContractError, match="expected 2 tensors"):
         w._store_captured_states([torch.zeros(3, H)])
-    w._store_captured_states([torch.ones(3, H), 2 * torch.ones(3, H)])
+    rows = torch.arange(3 * H, dtype=torch.float32).reshape(3, H)  # a different row per token
+    w._store_captured_states([rows, 2 * rows])
     cap.end()
     got = w._get_captured_states()
-    assert got[1].tolist() == (2 * torch.ones(3, H)).tolist()
+    assert got[1].tolist() == (2 * rows).tolist()

@@ -19,7 +19,8 @@ def make_shard(root, k, n, rows=ROWS, indices=None, fingerprint="xxh3:abc", dtyp
     (root / "hidden_states").mkdir(parents=True)
     records = []
     for i in indices if indices is not None else range(k, rows, n):
-        hs = torch.full((i + 1, 2, H), float(i)).to(getattr(torch, dtype))
+        token_rows = torch.arange(i + 1, dtype=torch.float32).view(-1, 1, 1)  # one row per token, each different
+        hs = (float(i) + token_rows).expand(i + 1, 2, H).contiguous().to(getattr(torch, dtype))
         f = root / "hidden_states" / f"hs_{i}.safetensors"
         save_file({"hidden_states": hs, "token_ids": torch.arange(i + 1, dtype=torch.int64)}, str(f))
         s = _native.read_sample(str(f))
@@ -183,7 +184,7 @@ def test_merge_legacy_shards(tmp_path):
             s.begin_step(*step_args(so))
             s.plan([f"r{i}"])
             for slot in range(2):
-                s.capture(slot, torch.full((i + 1, H), float(i)))
+                s.capture(slot, float(i) + torch.arange(i + 1, dtype=torch.float32).view(-1, 1).expand(i + 1, H))
             s.end_step()
             s.release()
         records = sorted(s.finish(), key=lambda r: r["index"])

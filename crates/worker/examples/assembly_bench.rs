@@ -50,6 +50,7 @@ fn run(out: PathBuf, background: bool, steps: usize, fwd: Duration, reqs: usize,
         queue: 64,
         durable: false,
         staging: false,
+        staging_backlog: 0,
         slow_disk: Default::default(),
         store: None,
     };

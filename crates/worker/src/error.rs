@@ -12,6 +12,8 @@ pub enum ErrorKind {
     ShapeContract,
     /// Captured values that are NaN or infinite.
     NonFinite,
+    /// A captured layer that is all zeros, or one row for every token, over different tokens.
+    DegenerateStates,
     /// Token attribution is impossible or inconsistent (unknown request, gap in a prompt, wrong order).
     Attribution,
     /// Tensor-parallel ranks captured different values for what must be replicated.
@@ -28,6 +30,7 @@ impl ErrorKind {
             ErrorKind::Config => "ConfigError",
             ErrorKind::ShapeContract => "ShapeContractError",
             ErrorKind::NonFinite => "NonFiniteError",
+            ErrorKind::DegenerateStates => "DegenerateStatesError",
             ErrorKind::Attribution => "AttributionError",
             ErrorKind::RankMismatch => "RankMismatchError",
             ErrorKind::Output => "OutputError",

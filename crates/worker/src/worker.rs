@@ -45,6 +45,10 @@ pub struct OutputSettings {
     pub durable: bool,
     /// Per-request files for a collecting client (`staging.rs`) instead of a capture directory.
     pub staging: bool,
+    /// Per-request files: at most this many bytes of complete samples wait for their files when a step's samples
+    /// are released (the worker waits for the writer beyond it), so that a response's file follows it within the
+    /// time this backlog takes to write — clients give up waiting for a lock (speculators after 10 s).
+    pub staging_backlog: u64,
     /// Tests only: per-request files are written late (`staging.rs`).
     pub slow_disk: SlowDisk,
     /// Samples go to this object store as packed objects (`output/store.rs`) instead of files.
@@ -89,6 +93,11 @@ pub struct WorkerSession {
     aborted: Vec<Aborted>,
     /// A staging directory's locks (per-request files): those of aborted requests are given up.
     locks: Option<Arc<Locks>>,
+    /// Per-request files: the most rows of complete samples that may wait for their files at a release.
+    backlog_rows: usize,
+    /// Rows of the samples completed by the device step still in flight: they cannot be written before the next
+    /// step collects it, so a release does not wait for them.
+    in_flight_rows: usize,
     /// Samples scattered inline whose steps are not released yet.
     pending: Vec<Sample>,
     /// The newest step accounted so far: what the next release covers.
@@ -136,7 +145,7 @@ impl WorkerSession {
         let format_name = if into_store { STORE_FORMAT } else { format.name() };
         let failure = Failure::new();
         let id = identity(&cfg, &out, format.as_ref());
-        let assemble = cfg.assemble;
+        let (assemble, slots, width, out_dtype) = (cfg.assemble, cfg.layers.num_slots(), cfg.hidden_size, cfg.out_dtype);
         let mut session = Session::with_failure(cfg, failure.clone())?;
         let mut staged = None;
         // A capture directory lists its files; per-request files and objects belong to the client (no ledger to
@@ -151,7 +160,7 @@ impl WorkerSession {
                 let layout = if out.staging {
                     let locks = Arc::new(Locks::new(root, out.slow_disk.clone()));
                     let held = Arc::clone(&locks);
-                    session.set_completion_hook(Arc::new(move |req: &str| held.hold(req)));
+                    session.set_completion_hook(Arc::new(move |req: &str, rows: Option<usize>| held.hold(req, rows)));
                     staged = Some(Arc::clone(&locks));
                     Layout::Staging(locks)
                 } else {
@@ -161,7 +170,23 @@ impl WorkerSession {
                 Output::Files(Writer::start(sink, wcfg, failure)?)
             }
         };
-        Ok(WorkerSession { session, output, format: format_name, aborted: Vec::new(), locks: staged, pending: Vec::new(), accounted: None })
+        // What one row of a sample takes in its file (fp8: a byte per value and a scale).
+        let row_bytes = match format_name {
+            "fp8" => slots * width + 4,
+            _ => slots * width * out_dtype.size(),
+        };
+        let backlog_rows = usize::try_from(out.staging_backlog / row_bytes.max(1) as u64).unwrap_or(usize::MAX);
+        Ok(WorkerSession {
+            session,
+            output,
+            format: format_name,
+            aborted: Vec::new(),
+            locks: staged,
+            backlog_rows,
+            in_flight_rows: 0,
+            pending: Vec::new(),
+            accounted: None,
+        })
     }
 
     pub fn session(&self) -> &Session {
@@ -229,14 +254,21 @@ impl WorkerSession {
         }
     }
 
-    /// Every step accounted so far is agreed on (the ranks' meeting passed): its samples are stored.
+    /// Every step accounted so far is agreed on (the ranks' meeting passed): its samples are stored. With
+    /// per-request files, then waits while more than the backlog's rows of complete samples wait for their files
+    /// (those of the step still in flight aside): the step's responses go out only once the writer is that close.
     pub fn release(&mut self) -> CoreResult<()> {
-        let Some(upto) = self.accounted else {
-            return Ok(());
-        };
-        self.session.release(upto)?;
-        let agreed = std::mem::take(&mut self.pending);
-        self.store(agreed)
+        if let Some(upto) = self.accounted {
+            self.session.release(upto)?;
+            let agreed = std::mem::take(&mut self.pending);
+            self.store(agreed)?;
+        }
+        if let Some(locks) = &self.locks {
+            let exempt = if self.session.steps_in_flight() > 0 { self.in_flight_rows } else { 0 };
+            let failure = self.session.failure().clone();
+            locks.wait_for_room(self.backlog_rows.saturating_add(exempt), || failure.first())?;
+        }
+        Ok(())
     }
 
     /// See [`Session::begin_step`].
@@ -262,6 +294,8 @@ impl WorkerSession {
     /// See [`Session::end_step`].
     pub fn end_step(&mut self) -> CoreResult<Vec<StepReport>> {
         let outs = self.session.end_step()?;
+        // The samples this step completed (their locks were taken just now) wait for it if it stays in flight.
+        self.in_flight_rows = self.locks.as_ref().map_or(0, |l| l.take_completed_rows());
         self.route(outs, false)
     }
 

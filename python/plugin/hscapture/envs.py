@@ -109,6 +109,14 @@ REGISTRY: dict[str, EnvVar] = {
             "states and quantize in the writer threads (the same files; for comparison).",
         ),
         EnvVar(
+            "HSCAPTURE_STAGING_BACKLOG_MIB",
+            "int",
+            "2048",
+            "KV connector: at most this many MiB of finished samples wait for their files when a step ends; beyond "
+            "it the step waits for the writer, so a response's file follows it within the time this backlog takes to "
+            "write (speculators' client gives up waiting for a file's lock after 10 s).",
+        ),
+        EnvVar(
             "HSCAPTURE_ASSEMBLY",
             "str",
             "background",

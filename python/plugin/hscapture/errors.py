@@ -1,7 +1,7 @@
 """hscapture's exception tree (defined in Rust, ``hscapture._native``).
 
-``HscaptureError`` is the base of ``ConfigError``, ``ShapeContractError`` (and its subclass
-``NonFiniteError``), ``AttributionError``, ``RankMismatchError``, ``OutputError`` and
+``HscaptureError`` is the base of ``ConfigError``, ``ShapeContractError`` (and its subclasses
+``NonFiniteError`` and ``DegenerateStatesError``), ``AttributionError``, ``RankMismatchError``, ``OutputError`` and
 ``CompatibilityError``, ``PeerFailedError`` (another rank failed; its own error is the cause) and
 ``EngineDiedError`` (vLLM's engine process died while a run waited for it). Every
 message names what was expected, what was found and what to do.
@@ -11,6 +11,7 @@ from ._native import (  # noqa: F401
     AttributionError,
     CompatibilityError,
     ConfigError,
+    DegenerateStatesError,
     EngineDiedError,
     HscaptureError,
     NonFiniteError,
@@ -25,6 +26,7 @@ __all__ = [
     "ConfigError",
     "ShapeContractError",
     "NonFiniteError",
+    "DegenerateStatesError",
     "AttributionError",
     "RankMismatchError",
     "OutputError",

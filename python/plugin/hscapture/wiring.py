@@ -24,6 +24,13 @@ def model_facts(vllm_config: Any) -> tuple[int, int, str, str]:
     return int(text.num_hidden_layers), int(mc.get_hidden_size()), str(mc.dtype).removeprefix("torch."), str(mc.model)
 
 
+def _staging_backlog_mib() -> int:
+    mib = envs.get("HSCAPTURE_STAGING_BACKLOG_MIB")
+    if mib < 0:
+        raise ConfigError(f"HSCAPTURE_STAGING_BACKLOG_MIB={mib} is not valid: expected 0 or more MiB")
+    return mib
+
+
 def assembly_ring() -> int:
     """Step buffers for background assembly (``HSCAPTURE_ASSEMBLY``, ``HSCAPTURE_HOST_RING``); 0 = inline."""
     mode = envs.get("HSCAPTURE_ASSEMBLY")
@@ -70,6 +77,7 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         compress=cfg.compress or None,
         model=cfg.model_name or model,
         staging=cfg.staging,
+        staging_backlog_mib=_staging_backlog_mib(),
         staging_delay_ms=max(0, envs.get("HSCAPTURE_TEST_STAGING_DELAY_MS")) if cfg.staging else 0,
         staging_hold=envs.get("HSCAPTURE_TEST_STAGING_HOLD") if cfg.staging else None,
         store=store,

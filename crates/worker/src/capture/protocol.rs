@@ -15,10 +15,10 @@ use crate::capture::tensor::TensorDesc;
 use crate::{bail, ensure, error::CoreResult};
 use hscapture_kernels::RowRun;
 
-/// Called with a request id when its sample opens (its first step, when it captures generated tokens)
-/// or its prompt completes, at the end of that step: before its rows are accounted and before vLLM can
-/// answer the request (the per-request locks of a staging directory are taken there).
-pub type CompletionHook = Arc<dyn Fn(&str) -> CoreResult<()> + Send + Sync>;
+/// Called with a request id when its sample opens (its first step, when it captures generated tokens; rows None)
+/// or completes (its rows), at the end of that step: before its rows are accounted and before vLLM can answer the
+/// request (the per-request locks of a staging directory are taken there).
+pub type CompletionHook = Arc<dyn Fn(&str, Option<usize>) -> CoreResult<()> + Send + Sync>;
 
 pub struct StepProtocol {
     cfg: SessionConfig,
@@ -60,8 +60,8 @@ impl StepProtocol {
         slot_name(&self.cfg.layers, slot)
     }
 
-    fn notify(&self, req_id: &str) -> CoreResult<()> {
-        self.on_complete.as_ref().map_or(Ok(()), |hook| hook(req_id))
+    fn notify(&self, req_id: &str, rows: Option<usize>) -> CoreResult<()> {
+        self.on_complete.as_ref().map_or(Ok(()), |hook| hook(req_id, rows))
     }
 
     /// Opens a step from the scheduler output; returns attribution's events (the hook has run for each
@@ -70,7 +70,7 @@ impl StepProtocol {
         let events = self.tracker.begin_step(input)?;
         for e in &events {
             if let Event::Opened { req_id } = e {
-                self.notify(req_id)?;
+                self.notify(req_id, None)?;
             }
         }
         self.slots.new_step();
@@ -127,8 +127,8 @@ impl StepProtocol {
         }
         let events = self.tracker.commit()?;
         for e in &events {
-            if let Event::Completed { req_id, .. } = e {
-                self.notify(req_id)?;
+            if let Event::Completed { req_id, token_ids, .. } = e {
+                self.notify(req_id, Some(token_ids.len()))?;
             }
         }
         Ok((plan.unwrap_or(StepPlan { step, ..Default::default() }), events))

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use crate::attribution::plan::{SampleKey, Segment};
 use crate::capture::rows::StepRows;
+use crate::output::degenerate::degenerate_slot;
 use crate::output::pool::BufferPool;
 use crate::output::sample::Sample;
 use crate::{ensure, error::CoreResult};
@@ -99,7 +100,7 @@ struct Work<'a> {
 }
 
 /// A completed request's buffer as a sample: handed to `emit` (None returned) or returned.
-fn finish(g: Geometry, c: Completion, mut data: Vec<u8>, emit: Option<Emit<'_>>) -> CoreResult<Option<Sample>> {
+fn finish(g: Geometry, names: &[String], c: Completion, mut data: Vec<u8>, emit: Option<Emit<'_>>) -> CoreResult<Option<Sample>> {
     let n = c.token_ids.len();
     if c.grows && !g.quantized && data.len() > g.sample_bytes(n) {
         data.truncate(g.sample_bytes(n));
@@ -114,10 +115,21 @@ fn finish(g: Geometry, c: Completion, mut data: Vec<u8>, emit: Option<Emit<'_>>)
         g.width,
         g.dtype
     );
-    let scales = g.quantized.then(|| {
+    let scales: Option<Vec<f32>> = g.quantized.then(|| {
         let tail = data.split_off(n * g.slots * g.row_bytes());
         tail.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
     });
+    if let Some((slot, what)) = degenerate_slot(&c.token_ids, g.slots, g.row_bytes(), &data, scales.as_deref()) {
+        let name = names.get(slot).cloned().unwrap_or_else(|| format!("slot {slot}"));
+        crate::bail!(
+            DegenerateStates,
+            "{}: {name} is {}; expected the states of different tokens to differ. The hook read a tensor that no layer \
+             computed this way (a buffer never written or reused, a constant): check the capture point (layer ids, \
+             convention) and the model's forward; nothing of this sample is written",
+            c.sample,
+            what.describe(n)
+        );
+    }
     let sample = Sample {
         key: c.sample,
         req_id: c.req_id,
@@ -137,30 +149,30 @@ fn finish(g: Geometry, c: Completion, mut data: Vec<u8>, emit: Option<Emit<'_>>)
 }
 
 /// Copies one segment and, if its request is complete, finishes the sample.
-fn work_one(w: &mut Work<'_>, rows: &dyn StepRows, g: Geometry, emit: Option<Emit<'_>>) {
+fn work_one(w: &mut Work<'_>, rows: &dyn StepRows, g: Geometry, names: &[String], emit: Option<Emit<'_>>) {
     if let Err(e) = scatter_segment(w.seg, &mut w.buf, rows, g) {
         w.out = Some(Err(e));
         return;
     }
     if let Some((i, c)) = w.done.take() {
         let data = std::mem::take(&mut w.buf);
-        w.out = Some(finish(g, c, data, emit).map(|s| s.map(|s| (i, s))));
+        w.out = Some(finish(g, names, c, data, emit).map(|s| s.map(|s| (i, s))));
     }
 }
 
 /// Scatters a step's segments, in parallel over requests (each segment writes only its own
 /// request's buffer) when the step is large.
-fn scatter_all(work: &mut [Work<'_>], rows: &(dyn StepRows + Sync), g: Geometry, emit: Option<Emit<'_>>) {
+fn scatter_all(work: &mut [Work<'_>], rows: &(dyn StepRows + Sync), g: Geometry, names: &[String], emit: Option<Emit<'_>>) {
     let bytes: usize = work.iter().map(|w| w.seg.len).sum::<usize>() * g.slots * g.row_bytes();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8).min(work.len());
     if threads <= 1 || bytes < (8 << 20) {
-        work.iter_mut().for_each(|w| work_one(w, rows, g, emit));
+        work.iter_mut().for_each(|w| work_one(w, rows, g, names, emit));
         return;
     }
     let per = work.len().div_ceil(threads);
     std::thread::scope(|sc| {
         for chunk in work.chunks_mut(per) {
-            sc.spawn(move || chunk.iter_mut().for_each(|w| work_one(w, rows, g, emit)));
+            sc.spawn(move || chunk.iter_mut().for_each(|w| work_one(w, rows, g, names, emit)));
         }
     });
 }
@@ -173,6 +185,8 @@ struct Partial {
 
 pub struct Scatter {
     geo: Geometry,
+    /// Each slot's name in errors (its layer id and convention).
+    names: Arc<[String]>,
     bufs: HashMap<String, Partial>,
     pool: Arc<BufferPool>,
     /// Bytes held by requests in progress (read by the session from any thread).
@@ -181,7 +195,12 @@ pub struct Scatter {
 
 impl Scatter {
     pub fn new(geo: Geometry, pool: Arc<BufferPool>) -> Scatter {
-        Scatter { geo, bufs: HashMap::new(), pool, held: Arc::new(AtomicUsize::new(0)) }
+        Scatter::named(geo, pool, (0..geo.slots).map(|s| format!("slot {s}")).collect())
+    }
+
+    /// As `new`, naming each slot in errors.
+    pub fn named(geo: Geometry, pool: Arc<BufferPool>, names: Arc<[String]>) -> Scatter {
+        Scatter { geo, names, bufs: HashMap::new(), pool, held: Arc::new(AtomicUsize::new(0)) }
     }
 
     /// Rows arrive as fp8 codes and scales from now on (a quantizing device). Only while no request is held.
@@ -269,7 +288,7 @@ impl Scatter {
                 Work { seg, buf, done: completing.remove(&seg.req_id), out: None }
             })
             .collect();
-        scatter_all(&mut work, rows, g, emit);
+        scatter_all(&mut work, rows, g, &self.names, emit);
         let mut kept = Vec::new();
         let mut first_err = None;
         for w in work {
@@ -289,7 +308,7 @@ impl Scatter {
         rest.sort_by_key(|(i, _)| *i);
         for (i, c) in rest {
             let data = self.bufs.remove(&c.req_id).map(|p| p.data).unwrap_or_default();
-            match finish(g, c, data, emit) {
+            match finish(g, &self.names, c, data, emit) {
                 Ok(Some(sample)) => kept.push((i, sample)),
                 Ok(None) => {}
                 Err(e) => {

@@ -55,8 +55,9 @@ impl Session {
         ensure!(cfg.hidden_size > 0, Config, "hidden size must be positive, found 0");
         let pool = Arc::new(BufferPool::new(256));
         let geo = Geometry { slots: cfg.layers.num_slots(), width: cfg.hidden_size, dtype: cfg.out_dtype, quantized: false };
+        let names: Arc<[String]> = (0..geo.slots).map(|s| crate::capture::contract::slot_name(&cfg.layers, s)).collect();
         Ok(Session {
-            buffers: StepBuffers::new(geo, Arc::clone(&pool), failure.clone()),
+            buffers: StepBuffers::new(geo, names, Arc::clone(&pool), failure.clone()),
             protocol: StepProtocol::new(cfg),
             accounting: Accounting::default(),
             device: None,
@@ -399,7 +400,7 @@ impl Drop for Session {
 
 #[cfg(test)]
 #[path = "tests/session.rs"]
-mod tests;
+pub(crate) mod tests;
 
 #[cfg(test)]
 #[path = "tests/quantized.rs"]

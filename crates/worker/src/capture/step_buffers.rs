@@ -30,6 +30,8 @@ enum Scattering {
 
 pub struct StepBuffers {
     geo: Geometry,
+    /// Each slot's name in the scatter's errors.
+    names: Arc<[String]>,
     pool: Arc<BufferPool>,
     failure: Failure,
     /// The current step's CPU arena.
@@ -44,10 +46,11 @@ pub struct StepBuffers {
 }
 
 impl StepBuffers {
-    pub fn new(geo: Geometry, pool: Arc<BufferPool>, failure: Failure) -> StepBuffers {
-        let scattering = Scattering::Inline(Scatter::new(geo, Arc::clone(&pool)));
+    pub fn new(geo: Geometry, names: Arc<[String]>, pool: Arc<BufferPool>, failure: Failure) -> StepBuffers {
+        let scattering = Scattering::Inline(Scatter::named(geo, Arc::clone(&pool), Arc::clone(&names)));
         StepBuffers {
             geo,
+            names,
             pool,
             failure,
             arena: Arena::new(geo.slots, geo.width, geo.dtype),
@@ -63,7 +66,7 @@ impl StepBuffers {
     pub fn set_background(&mut self, ring: usize) -> CoreResult<()> {
         ensure!(ring >= 2, Config, "background assembly needs a ring of at least 2 step buffers, found {ring}");
         if let Scattering::Inline(_) = self.scattering {
-            let scatter = Scatter::new(self.geo, Arc::clone(&self.pool));
+            let scatter = Scatter::named(self.geo, Arc::clone(&self.pool), Arc::clone(&self.names));
             self.scattering = Scattering::Background(Assembler::start(scatter, self.failure.clone())?);
         }
         self.ring = ring;
@@ -308,6 +311,6 @@ impl StepBuffers {
 
     /// Stops the assembler thread (it may be reading a device's pinned buffers: before the device goes).
     pub fn stop(&mut self) {
-        self.scattering = Scattering::Inline(Scatter::new(self.geo, Arc::clone(&self.pool)));
+        self.scattering = Scattering::Inline(Scatter::named(self.geo, Arc::clone(&self.pool), Arc::clone(&self.names)));
     }
 }

@@ -8,10 +8,12 @@
 //! - [`writer`]: the threads that feed a sink, behind a bounded queue;
 //! - [`atomic`], [`journal`], [`manifest`], [`record`]: files that appear whole, and what they list;
 //! - [`dirlock`]: one writing process per output directory;
-//! - [`verify`], [`resume`]: a capture directory checked against its ledger and the contract.
+//! - [`verify`], [`resume`]: a capture directory checked against its ledger and the contract;
+//! - [`degenerate`]: states no layer produces (a slot all zeros, or one row for every token).
 
 pub mod atomic;
 pub mod compress;
+pub mod degenerate;
 pub mod dirlock;
 pub mod format;
 pub mod fp8;

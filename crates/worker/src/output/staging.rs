@@ -8,7 +8,8 @@
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::{core_err, error::CoreResult};
@@ -50,27 +51,50 @@ impl SlowDisk {
     }
 }
 
+/// A held lock: its file, and the sample's rows once the sample is complete (None while a request that captures
+/// its generated tokens is still generating).
+#[derive(Debug)]
+struct Held {
+    _file: File,
+    rows: Option<usize>,
+}
+
 /// The locks this process holds, by request id.
 #[derive(Debug)]
 pub struct Locks {
     root: PathBuf,
-    held: Mutex<HashMap<String, File>>,
+    held: Mutex<HashMap<String, Held>>,
+    /// Signalled whenever a lock goes.
+    freed: Condvar,
+    /// Rows of samples completed since [`Locks::take_completed_rows`] last ran.
+    fresh_rows: AtomicUsize,
     pub slow_disk: SlowDisk,
 }
 
 impl Locks {
     pub fn new(root: &Path, slow_disk: SlowDisk) -> Locks {
-        Locks { root: root.to_path_buf(), held: Mutex::new(HashMap::new()), slow_disk }
+        Locks {
+            root: root.to_path_buf(),
+            held: Mutex::new(HashMap::new()),
+            freed: Condvar::new(),
+            fresh_rows: AtomicUsize::new(0),
+            slow_disk,
+        }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, File>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Held>> {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Creates and locks request `req_id`'s lock file (before its response can exist).
-    pub fn hold(&self, req_id: &str) -> CoreResult<()> {
-        if self.lock().contains_key(req_id) {
-            return Ok(()); // held already (a request that captures its generated tokens is held from its start)
+    /// Creates and locks request `req_id`'s lock file (before its response can exist); `rows` once its sample is
+    /// complete (a request that captures its generated tokens is held from its start, rows unknown).
+    pub fn hold(&self, req_id: &str, rows: Option<usize>) -> CoreResult<()> {
+        if let Some(rows) = rows {
+            self.fresh_rows.fetch_add(rows, Ordering::Relaxed);
+        }
+        if let Some(h) = self.lock().get_mut(req_id) {
+            h.rows = h.rows.or(rows); // held already: not locked twice (which would wait for itself)
+            return Ok(());
         }
         let path = lock_path(&self.root.join(file_name(req_id)));
         let file = OpenOptions::new()
@@ -81,13 +105,14 @@ impl Locks {
             .open(&path)
             .map_err(|e| core_err!(Output, "cannot create {}: {e}; the staging directory must be writable", path.display()))?;
         file.lock().map_err(|e| core_err!(Output, "cannot lock {}: {e}", path.display()))?;
-        self.lock().insert(req_id.to_string(), file);
+        self.lock().insert(req_id.to_string(), Held { _file: file, rows });
         Ok(())
     }
 
     /// Releases request `req_id`'s lock: its file is in place (or will never be).
     pub fn release(&self, req_id: &str) {
         self.lock().remove(req_id);
+        self.freed.notify_all();
     }
 
     /// Releases request `req_id`'s lock and removes its lock file, if this process holds it: the request ended
@@ -96,10 +121,37 @@ impl Locks {
         if self.lock().remove(req_id).is_some() {
             let _ = std::fs::remove_file(lock_path(&self.root.join(file_name(req_id))));
         }
+        self.freed.notify_all();
     }
 
     pub fn held(&self) -> usize {
         self.lock().len()
+    }
+
+    /// Rows of the complete samples whose files are not in place yet: answered, or about to be, with a path a
+    /// client waits for.
+    pub fn waiting_rows(&self) -> usize {
+        self.lock().values().filter_map(|h| h.rows).sum()
+    }
+
+    /// Rows of the samples completed since the last call.
+    pub fn take_completed_rows(&self) -> usize {
+        self.fresh_rows.swap(0, Ordering::Relaxed)
+    }
+
+    /// Waits until at most `limit` rows of complete samples wait for their files, or `stop` says why they never
+    /// will (the capture failed).
+    pub fn wait_for_room(&self, limit: usize, stop: impl Fn() -> Option<crate::CoreError>) -> CoreResult<()> {
+        let mut held = self.lock();
+        loop {
+            if held.values().filter_map(|h| h.rows).sum::<usize>() <= limit {
+                return Ok(());
+            }
+            if let Some(e) = stop() {
+                return Err(e);
+            }
+            held = self.freed.wait_timeout(held, Duration::from_millis(50)).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+        }
     }
 }
 
@@ -113,7 +165,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let locks = Locks::new(d.path(), SlowDisk::default());
         assert_eq!(file_name("cmpl-a1/b 2"), "cmpl-a1_b_2.safetensors");
-        locks.hold("r-1").unwrap();
+        locks.hold("r-1", Some(3)).unwrap();
         let path = lock_path(&d.path().join(file_name("r-1")));
         let other = File::open(&path).unwrap();
         assert!(matches!(other.try_lock(), Err(TryLockError::WouldBlock)), "a client waits while the writer holds it");
@@ -121,12 +173,34 @@ mod tests {
         other.try_lock().unwrap();
         assert!(path.exists(), "the client removes the lock file, not the writer");
         assert_eq!(locks.held(), 0);
-        locks.hold("r-2").unwrap();
-        locks.hold("r-2").unwrap(); // held already: not locked twice (which would wait for itself)
+        locks.hold("r-2", None).unwrap();
+        locks.hold("r-2", Some(5)).unwrap(); // held already: not locked twice (which would wait for itself)
+        assert_eq!((locks.waiting_rows(), locks.take_completed_rows(), locks.take_completed_rows()), (5, 8, 0));
         locks.abandon("r-2");
         assert!(!lock_path(&d.path().join(file_name("r-2"))).exists(), "an abandoned request's lock file is removed");
         locks.abandon("r-1"); // not held (released before): its file is the client's, left alone
         assert!(path.exists());
+    }
+
+    #[test]
+    fn room_is_waited_for_among_complete_samples_only() {
+        let d = tempfile::tempdir().unwrap();
+        let locks = std::sync::Arc::new(Locks::new(d.path(), SlowDisk::default()));
+        locks.hold("generating", None).unwrap(); // completes after many steps: never waited for
+        locks.hold("a", Some(10)).unwrap();
+        locks.hold("b", Some(10)).unwrap();
+        locks.wait_for_room(20, || None).unwrap();
+        let l = std::sync::Arc::clone(&locks);
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            l.release("a");
+        });
+        let t = Instant::now();
+        locks.wait_for_room(10, || None).unwrap();
+        assert!(t.elapsed() >= Duration::from_millis(90), "waited for a's file");
+        writer.join().unwrap();
+        let e = locks.wait_for_room(0, || Some(crate::core_err!(Output, "the writer failed"))).unwrap_err();
+        assert!(e.message.contains("the writer failed"), "a failed capture ends the wait: {e}");
     }
 
     #[test]

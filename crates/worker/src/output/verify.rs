@@ -6,6 +6,7 @@ use std::collections::HashSet;
 use std::path::Path;
 
 use crate::output::atomic::is_partial;
+use crate::output::degenerate::degenerate_slot;
 use crate::output::format::{by_name, Format};
 use crate::output::manifest::Manifest;
 use crate::output::record::{file_checksum, Identity, SampleRecord};
@@ -78,6 +79,14 @@ pub fn check_file(
     let bad = count_nonfinite(&s.data, s.dtype);
     if bad > 0 {
         problems.push(format!("{bad} NaN/Inf values"));
+    }
+    let (slots, row_bytes) = (s.shape[1], s.shape[2] * s.dtype.size());
+    if let Some((slot, what)) = degenerate_slot(&s.token_ids, slots, row_bytes, &s.data, None) {
+        let id = identity.layer_ids.get(slot).map_or_else(|| format!("slot {slot}"), |i| format!("layer id {i}"));
+        problems.push(format!(
+            "{id} is {}: no layer computes that for different tokens (a hook on the wrong tensor?)",
+            what.describe(s.token_ids.len())
+        ));
     }
     if problems.is_empty() {
         Ok(s)

@@ -1,5 +1,5 @@
 //! The exception tree, re-exported by the `hscapture` package:
-//! `HscaptureError` ← `ConfigError`, `ShapeContractError` (← `NonFiniteError`), `AttributionError`,
+//! `HscaptureError` ← `ConfigError`, `ShapeContractError` (← `NonFiniteError`, `DegenerateStatesError`), `AttributionError`,
 //! `RankMismatchError`, `OutputError`, `CompatibilityError`, `PeerFailedError`, `EngineDiedError`.
 
 use pyo3::exceptions::PyException;
@@ -12,6 +12,12 @@ create_exception!(hscapture._native, HscaptureError, PyException, "Base class of
 create_exception!(hscapture._native, ConfigError, HscaptureError, "Invalid configuration (layer ids, convention, output, options).");
 create_exception!(hscapture._native, ShapeContractError, HscaptureError, "A captured tensor or sample breaks the shape contract.");
 create_exception!(hscapture._native, NonFiniteError, ShapeContractError, "Captured hidden states contain NaN or Inf.");
+create_exception!(
+    hscapture._native,
+    DegenerateStatesError,
+    ShapeContractError,
+    "A captured layer is all zeros, or one row for every token, over different tokens."
+);
 create_exception!(hscapture._native, AttributionError, HscaptureError, "Tokens cannot be attributed to requests consistently.");
 create_exception!(
     hscapture._native,
@@ -41,6 +47,7 @@ impl From<CoreError> for PyErr {
             ErrorKind::Config => ConfigError::new_err(m),
             ErrorKind::ShapeContract => ShapeContractError::new_err(m),
             ErrorKind::NonFinite => NonFiniteError::new_err(m),
+            ErrorKind::DegenerateStates => DegenerateStatesError::new_err(m),
             ErrorKind::Attribution => AttributionError::new_err(m),
             ErrorKind::RankMismatch => RankMismatchError::new_err(m),
             ErrorKind::Output => OutputError::new_err(m),
@@ -55,6 +62,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ConfigError", py.get_type::<ConfigError>())?;
     m.add("ShapeContractError", py.get_type::<ShapeContractError>())?;
     m.add("NonFiniteError", py.get_type::<NonFiniteError>())?;
+    m.add("DegenerateStatesError", py.get_type::<DegenerateStatesError>())?;
     m.add("AttributionError", py.get_type::<AttributionError>())?;
     m.add("RankMismatchError", py.get_type::<RankMismatchError>())?;
     m.add("OutputError", py.get_type::<OutputError>())?;

@@ -65,10 +65,11 @@ fn tuples(rs: Vec<StepReport>) -> Vec<ReportTuple> {
 impl CaptureSession {
     /// `out_dir=None` keeps completed samples in memory for `take_samples()`; otherwise the writing
     /// rank writes them under `out_dir` in `format` with `writer_threads` threads — a capture directory, or with
-    /// `staging` per-request files a client collects (`output/staging.rs`); with `store` (an object store's client,
+    /// `staging` per-request files a client collects (`output/staging.rs`; at most `staging_backlog_mib` of complete
+    /// samples waiting for their files after a release); with `store` (an object store's client,
     /// `py/store.rs`) and format `mooncake`, packed objects in that store instead (`output/store.rs`).
     #[new]
-    #[pyo3(signature = (layer_ids, convention, num_hidden_layers, hidden_size, model_dtype, out_dtype, assemble, out_dir=None, writer_threads=4, writer_queue=8, durable=true, format="hscapture".to_string(), compress=None, model=String::new(), staging=false, staging_delay_ms=0, staging_hold=None, store=None))]
+    #[pyo3(signature = (layer_ids, convention, num_hidden_layers, hidden_size, model_dtype, out_dtype, assemble, out_dir=None, writer_threads=4, writer_queue=8, durable=true, format="hscapture".to_string(), compress=None, model=String::new(), staging=false, staging_backlog_mib=2048, staging_delay_ms=0, staging_hold=None, store=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -87,6 +88,7 @@ impl CaptureSession {
         compress: Option<i32>,
         model: String,
         staging: bool,
+        staging_backlog_mib: u64,
         staging_delay_ms: u64,
         staging_hold: Option<PathBuf>,
         store: Option<Py<PyAny>>,
@@ -102,7 +104,22 @@ impl CaptureSession {
             let slow_disk = SlowDisk { delay: std::time::Duration::from_millis(staging_delay_ms), hold_while: staging_hold };
             let (threads, queue) = (writer_threads, writer_queue);
             let store = store.map(|client| StoreHandle(Arc::new(PyStore::new(client))));
-            let out = OutputSettings { root: out_dir, format, compress, model, threads, queue, durable, staging, slow_disk, store };
+            let staging_backlog = staging_backlog_mib.checked_mul(1 << 20).ok_or_else(|| {
+                crate::core_err!(Config, "staging backlog of {staging_backlog_mib} MiB: expected at most {} MiB", u64::MAX >> 20)
+            })?;
+            let out = OutputSettings {
+                root: out_dir,
+                format,
+                compress,
+                model,
+                threads,
+                queue,
+                durable,
+                staging,
+                staging_backlog,
+                slow_disk,
+                store,
+            };
             Ok(CaptureSession { inner: py.detach(|| WorkerSession::new(cfg, out))? })
         })
     }

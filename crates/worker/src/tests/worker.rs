@@ -24,6 +24,7 @@ fn out(root: Option<PathBuf>) -> OutputSettings {
         queue: 2,
         durable: false,
         staging: false,
+        staging_backlog: 1 << 30,
         slow_disk: Default::default(),
         store: None,
     }
@@ -52,7 +53,7 @@ fn step_unreleased(w: &mut WorkerSession, i: u64) -> Vec<StepReport> {
     };
     w.begin_step(input).unwrap();
     w.plan(&[id]).unwrap();
-    let h = [0.5f32; 6];
+    let h = [0.5f32, 1.5, 2.5, 3.5, 4.5, 5.5];
     let t = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![3, 2], strides: vec![2, 1], dtype: DType::F32, device: Device::Cpu };
     // SAFETY: `h` lives for the call and nobody writes it.
     unsafe { w.capture(0, &t, None, 0).unwrap() };
@@ -178,7 +179,7 @@ fn an_aborted_request_with_outputs_gives_up_its_lock_and_its_lock_file() {
     };
     w.begin_step(first).unwrap();
     w.plan(&["q".to_string()]).unwrap();
-    let h = [0.5f32; 4];
+    let h = [0.5f32, 1.5, 2.5, 3.5];
     let t = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![2, 2], strides: vec![2, 1], dtype: DType::F32, device: Device::Cpu };
     // SAFETY: `h` lives for the call and nobody writes it.
     unsafe { w.capture(0, &t, None, 0).unwrap() };
@@ -220,4 +221,93 @@ fn samples_are_stored_only_once_their_steps_are_released() {
     assert!(mem.take_samples().unwrap().is_empty(), "kept for the caller only once released");
     mem.release().unwrap();
     assert_eq!(mem.take_samples().unwrap().len(), 1);
+}
+
+#[test]
+fn a_release_waits_while_the_staged_backlog_is_over_its_bound() {
+    // Per-request files on a slow disk (each file 150 ms late): a release returns only once at most
+    // `staging_backlog` bytes of complete samples wait for their files, so a response's file follows it within the
+    // time that backlog takes to write (speculators' client gives up on a lock after 10 s).
+    let d = tempfile::tempdir().unwrap();
+    let mut o = out(Some(d.path().into()));
+    o.staging = true;
+    o.staging_backlog = 0; // no sample may wait: each release waits for every released file
+    o.slow_disk.delay = std::time::Duration::from_millis(150);
+    let mut w = WorkerSession::new(cfg(true), o).unwrap();
+    w.set_background(2).unwrap();
+    let t = std::time::Instant::now();
+    step(&mut w, 0);
+    assert!(t.elapsed() >= std::time::Duration::from_millis(140), "the release waited for r0's file");
+    assert!(d.path().join("r0.safetensors").exists(), "in place when the step's responses can go out");
+    w.finish().unwrap();
+}
+
+#[test]
+fn a_release_does_not_wait_for_the_samples_of_the_step_still_in_flight() {
+    // Overlapped device steps: a step is collected at the next one's end, so its samples cannot be written
+    // before then; waiting for them at its own release would wait forever.
+    use crate::capture::session::tests::HostDevice;
+    let d = tempfile::tempdir().unwrap();
+    let mut o = out(Some(d.path().into()));
+    (o.staging, o.staging_backlog, o.format) = (true, 0, "hscapture".into());
+    let cfg4 = SessionConfig { hidden_size: 4, ..cfg(true) };
+    let mut w = WorkerSession::new(cfg4, o).unwrap();
+    w.set_background(2).unwrap();
+    w.set_device(Box::new(HostDevice::new(1, 16, 3)), true).unwrap();
+    let input = StepInput {
+        new_requests: vec![NewRequest {
+            req_id: "r0".into(),
+            prompt_token_ids: vec![1, 2, 3],
+            num_computed_tokens: 0,
+            sample: None,
+            loss_mask: None,
+        }],
+        num_scheduled: vec![("r0".into(), 3)],
+        total_tokens: 3,
+        ..Default::default()
+    };
+    w.begin_step(input).unwrap();
+    w.release().unwrap();
+    w.plan(&["r0".to_string()]).unwrap();
+    let h: Vec<f32> = (0..12).map(|i| i as f32 + 0.5).collect();
+    let t = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![3, 4], strides: vec![4, 1], dtype: DType::F32, device: Device::Cuda(0) };
+    // SAFETY: `h` lives for the call; the stand-in device copies it at once.
+    unsafe { w.capture(0, &t, None, 0).unwrap() };
+    w.end_step().unwrap();
+    w.release().unwrap(); // returns: r0's rows are in flight (its file needs the next step)
+    assert!(!d.path().join("r0.safetensors").exists());
+    w.begin_step(StepInput { finished: vec!["r0".into()], ..Default::default() }).unwrap();
+    w.release().unwrap();
+    w.end_step().unwrap(); // collects r0's step
+    w.release().unwrap(); // and waits for its file (no backlog allowed)
+    assert!(d.path().join("r0.safetensors").exists(), "in place once the step that collected it is released");
+    w.finish().unwrap();
+}
+
+#[test]
+fn a_layer_that_is_one_row_for_every_token_is_refused_and_not_written() {
+    let d = tempfile::tempdir().unwrap();
+    let mut w = WorkerSession::new(cfg(true), out(Some(d.path().into()))).unwrap();
+    let input = StepInput {
+        new_requests: vec![NewRequest {
+            req_id: "r".into(),
+            prompt_token_ids: vec![1, 2, 3],
+            num_computed_tokens: 0,
+            sample: Some(7),
+            loss_mask: None,
+        }],
+        num_scheduled: vec![("r".into(), 3)],
+        total_tokens: 3,
+        ..Default::default()
+    };
+    w.begin_step(input).unwrap();
+    w.plan(&["r".to_string()]).unwrap();
+    let h = [0.5f32, 1.5, 0.5, 1.5, 0.5, 1.5]; // three tokens, one row
+    let t = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![3, 2], strides: vec![2, 1], dtype: DType::F32, device: Device::Cpu };
+    // SAFETY: `h` lives for the call and nobody writes it.
+    unsafe { w.capture(0, &t, None, 0).unwrap() };
+    let e = w.end_step().unwrap_err();
+    assert_eq!(e.kind, crate::error::ErrorKind::DegenerateStates);
+    assert!(e.message.contains("sample 7") && e.message.contains("layer id 1") && e.message.contains("the same row"), "{e}");
+    assert!(!d.path().join("hidden_states/hs_7.safetensors").exists());
 }

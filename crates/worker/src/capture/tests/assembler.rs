@@ -7,9 +7,12 @@ use crate::capture::scatter::{Completion, Geometry};
 use crate::output::pool::BufferPool;
 use hscapture_kernels::DType;
 
+/// A step's rows, each different (a zero or constant sample is refused as degenerate).
 fn arena(rows: usize) -> Arena {
     let mut a = Arena::new(1, 2, DType::F32);
     a.reset(rows);
+    let t = a.target(0, "x").unwrap();
+    t.data.iter_mut().enumerate().for_each(|(i, b)| *b = (i % 251) as u8 + 1);
     a
 }
 

@@ -85,26 +85,26 @@ fn the_hook_hears_each_opened_sample_at_begin_and_each_completed_prompt_at_end()
     let heard = Arc::new(Mutex::new(Vec::new()));
     let mut p = protocol(true);
     let h = Arc::clone(&heard);
-    p.set_completion_hook(Arc::new(move |r: &str| {
-        h.lock().unwrap().push(r.to_string());
+    p.set_completion_hook(Arc::new(move |r: &str, rows: Option<usize>| {
+        h.lock().unwrap().push((r.to_string(), rows));
         Ok(())
     }));
     let v = vec![0f32; 5 * H];
     p.begin(step(&[("gen", 2, 2), ("a", 3, 3)], &["gen"])).unwrap();
-    assert_eq!(*heard.lock().unwrap(), vec!["gen".to_string()], "a sample with outputs is heard when it opens");
+    assert_eq!(*heard.lock().unwrap(), vec![("gen".to_string(), None)], "a sample with outputs is heard when it opens");
     p.plan(&["gen".into(), "a".into()]).unwrap();
     for slot in 0..2 {
         p.admit(slot, &tensor(&v, 5, H), None).unwrap();
     }
     let (plan, _) = p.end().unwrap();
     assert_eq!(plan.total_tokens, 5);
-    assert_eq!(*heard.lock().unwrap(), vec!["gen".to_string(), "a".to_string()]);
+    assert_eq!(*heard.lock().unwrap(), vec![("gen".to_string(), None), ("a".to_string(), Some(3))], "and a prompt's rows");
 }
 
 #[test]
 fn a_failing_hook_fails_the_step() {
     let mut p = protocol(true);
-    p.set_completion_hook(Arc::new(|r: &str| Err(crate::core_err!(Output, "no lock for {r}"))));
+    p.set_completion_hook(Arc::new(|r: &str, _| Err(crate::core_err!(Output, "no lock for {r}"))));
     let v = vec![0f32; 2 * H];
     p.begin(step(&[("a", 2, 2)], &[])).unwrap();
     p.plan(&["a".into()]).unwrap();

@@ -94,3 +94,17 @@ fn every_byte_of_a_file_is_covered_by_its_checksum() {
         assert!(rep.problems.iter().any(|x| x.contains("the file changed after it was written")), "byte {at}: {:?}", rep.problems);
     }
 }
+
+#[test]
+fn a_layer_of_zeros_or_of_one_row_is_named() {
+    let d = tempfile::tempdir().unwrap();
+    let root = d.path();
+    let good = write(root, 0, &[1.0, 2.0, 3.0, 4.0]);
+    let zeros = write(root, 1, &[0.0; 4]);
+    let one_row = write(root, 2, &[1.0, 2.0, 1.0, 2.0]);
+    manifest(root, vec![good, zeros, one_row]);
+    let rep = verify_dir(root).unwrap();
+    assert_eq!(rep.problems.len(), 2, "{:?}", rep.problems);
+    assert!(rep.problems[0].starts_with("sample 1: layer id 3 is all zeros over its 2 rows"), "{:?}", rep.problems);
+    assert!(rep.problems[1].starts_with("sample 2: layer id 3 is the same row for all 2 tokens"), "{:?}", rep.problems);
+}

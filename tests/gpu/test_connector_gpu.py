@@ -182,3 +182,50 @@ def test_connector_with_shared_steps_answers_every_request_in_time(tmp_path, off
     ref = [c.to(torch.float32) * s for c, s in (q.quantize_tensor_to_fp8(w) for w in want)]
     cmp = compare(got, ref)  # the states differ by float32 noise, so a rare code lands one e4m3 step away
     assert cmp.ok(2e-2), f"worst relative error {cmp.worst:.2e} at {cmp.where}"
+
+
+_TOKENS = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.config import KVTransferConfig
+if __name__ == "__main__":
+    model, stage, capture, prompts_file = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+    prompts = json.load(open(prompts_file))[:12]
+    kw = dict(model=model, dtype="float32", enforce_eager=True, skip_tokenizer_init=True, gpu_memory_utilization=0.3,
+              max_model_len=512, max_num_batched_tokens=STEP_TOKENS, enable_prefix_caching=False, seed=0)
+    if capture:
+        kw |= dict(worker_cls="hscapture.worker.CaptureWorker",
+                   additional_config={"hscapture": {"layers": LAYERS, "convention": "before"}},
+                   kv_transfer_config=KVTransferConfig(kv_connector="HscaptureConnector",
+                       kv_connector_module_path="hscapture.connector", kv_role="kv_producer",
+                       kv_connector_extra_config={"shared_storage_path": stage, "format": "file"}))
+    llm = LLM(**kw)
+    out = []
+    for k, p in enumerate(prompts):  # one request at a time: the same batches with and without capture
+        extra = {"kv_transfer_params": {"include_output_tokens": True}} if capture and k % 2 == 0 else None
+        sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, detokenize=False, extra_args=extra)
+        (o,) = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
+        out.append(list(o.outputs[0].token_ids))
+    print("TOKENS " + json.dumps(out), flush=True)
+"""
+
+
+def test_capture_changes_no_generated_token(tmp_path, offline):
+    """Greedy, 40 tokens per request, one request at a time: with capture (prompt and response for every other
+    request, prompt only for the rest) the engine generates exactly the tokens it generates without."""
+    model, _ = offline
+    script = tmp_path / "tokens.py"
+    script.write_text(f"LAYERS = {LAYERS}\nSTEP_TOKENS = {STEP_TOKENS}\n" + _TOKENS)
+    (tmp_path / "prompts.json").write_text(json.dumps(_prompts()))
+    (tmp_path / "stage").mkdir()
+    env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "HSCAPTURE_DEVICE_PATH": "required"}
+    got = {}
+    for capture in ("0", "1"):
+        cmd = [sys.executable, str(script), model, str(tmp_path / "stage"), capture, str(tmp_path / "prompts.json")]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        line = [x for x in r.stdout.splitlines() if x.startswith("TOKENS ")]
+        if r.returncode != 0 or not line:
+            pytest.fail(f"capture={capture} failed:\n" + "\n".join((r.stdout + r.stderr).splitlines()[-30:]))
+        got[capture] = json.loads(line[-1][len("TOKENS ") :])
+    assert [len(t) for t in got["1"]] == [40] * 12
+    assert got["1"] == got["0"], "the capture changed generated tokens"

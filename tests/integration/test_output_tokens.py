@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from connector_support import LAYERS, load, serve
+from connector_support import LAYERS, VLLM_ARGS, load, serve
+from server import Server
+
+from hscapture import runtime_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.newest]
 
@@ -58,3 +61,29 @@ def test_prompt_and_generated_tokens_equal_hf(tmp_path, tiny_model, tp):
         theirs = theirs.float()
         err = torch.linalg.vector_norm(ours - theirs, dim=-1) / torch.linalg.vector_norm(theirs, dim=-1)
         assert float(err.max()) < 1e-4, f"request {k}: {float(err.max()):.2e} from HF at position {int(err.argmax())}"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_capture_changes_no_generated_token(tmp_path, tiny_model, tp):
+    """vLLM's own extraction once changed generated tokens when turned on. Greedy, 40 tokens per request, one
+    request at a time (so both servers compute the same batches): the capturing server (prompt and response, and
+    prompt only) generates exactly the tokens of the same server without capture."""
+    model = tiny_model("llama", "float32")
+    rng = random.Random(31 + tp)
+    prompts = [[rng.randrange(4, 1000) for _ in range(rng.randint(5, 60))] for _ in range(3)]
+    server, _stage = serve(tmp_path, model, "file", tp=tp)
+    with server:
+        on = [ask(server, p, 40, outputs=k < 2)[1] for k, p in enumerate(prompts)]
+    args = [*VLLM_ARGS, "--tensor-parallel-size", str(tp)] + (
+        ["--distributed-executor-backend", "mp"] if tp > 1 else []
+    )
+    plain = Server(tmp_path, model, *args, env=runtime_env.cpu_defaults(tp), name=f"plain-tp{tp}")
+    with plain:
+        off = []
+        for p in prompts:
+            body = {"model": model, "prompt": p, "max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+            status, answer = plain.post("/v1/completions", {**body, "return_token_ids": True}, timeout=300)
+            assert status == 200, answer
+            off.append(list(answer["choices"][0]["token_ids"]))
+    assert [len(t) for t in on] == [40, 40, 40]
+    assert on == off, "the capture changed generated tokens"

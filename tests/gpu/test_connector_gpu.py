@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_fp8_device import _fp8_utils  # speculators' own quantizer, or a skip naming why
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.gpu
@@ -118,23 +119,6 @@ def offline(tmp_path_factory, tiny_model):
     return model, [load_sample(f)["hidden_states"] for f in files]
 
 
-def _fp8():
-    from support import speculators_path
-
-    path = speculators_path("0.9.0")
-    f = path / "hs_connectors" / "fp8_utils.py" if path else None
-    if f is None or not f.exists():
-        pytest.skip(
-            "hs-connectors 0.9.0's fp8_utils.py is not installed (scripts/setup.sh; on the GPU machine, staged)"
-        )
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("hs_fp8_utils", f)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize(
     "fmt,env",
     [
@@ -151,7 +135,7 @@ def test_connector_files_equal_the_offline_capture(tmp_path, offline, fmt, env):
     model, want = offline
     keep = _drive(tmp_path, model, fmt, env, seqs=1, name=fmt)
     prompts = _prompts()
-    q = _fp8() if fmt == "fp8" else None
+    q = _fp8_utils() if fmt == "fp8" else None
     for i, p in enumerate(prompts):
         t = load_file(keep / f"{i}.safetensors")
         assert t["token_ids"].tolist() == p, f"prompt {i}: token ids"
@@ -178,7 +162,7 @@ def test_connector_with_shared_steps_answers_every_request_in_time(tmp_path, off
         t = load_file(keep / f"{i}.safetensors")
         assert t["token_ids"].tolist() == p, f"prompt {i}: token ids"
         got.append(t["hidden_states"].to(torch.float32) * t["hidden_states_scales"].to(torch.float32))
-    q = _fp8()
+    q = _fp8_utils()
     ref = [c.to(torch.float32) * s for c, s in (q.quantize_tensor_to_fp8(w) for w in want)]
     cmp = compare(got, ref)  # the states differ by float32 noise, so a rare code lands one e4m3 step away
     assert cmp.ok(2e-2), f"worst relative error {cmp.worst:.2e} at {cmp.where}"

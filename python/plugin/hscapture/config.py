@@ -10,25 +10,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _native, envs
+from . import _native, envs, formats
 from .errors import ConfigError
 
-# additional_config key -> (environment variable, kind)
-_KEYS = {
-    "layers": "HSCAPTURE_LAYERS",
-    "convention": "HSCAPTURE_CONVENTION",
-    "out": "HSCAPTURE_OUT",
-    "dtype": "HSCAPTURE_DTYPE",
-    "writer_threads": "HSCAPTURE_WRITER_THREADS",
-    "writer_queue": "HSCAPTURE_WRITER_QUEUE",
-    "durable": "HSCAPTURE_DURABLE",
-    "on_nonfinite": "HSCAPTURE_ON_NONFINITE",
-    "compress": "HSCAPTURE_COMPRESS",
-    "format": "HSCAPTURE_FORMAT",
-}
+_KEYS = envs.SETTINGS  # additional_config key -> its environment variable
 _EXTRA_KEYS = {"model_name"}
 _DTYPES = {"auto", *(name for name, _size in _native.dtypes())}
-from .formats import FORMATS  # noqa: E402 - the one list of formats
 
 
 def default_writer_threads() -> int:
@@ -88,7 +75,6 @@ class CaptureConfig:
 
 
 _INT = re.compile(r"^\s*[+-]?\d+\s*$")  # what a number written as text may look like (not 1_0, not 1.5)
-_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
 def integer(value: Any) -> int:
@@ -108,8 +94,8 @@ def boolean(value: Any) -> bool:
         return value
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
+    if isinstance(value, str):
+        return envs.parse_bool(value)
     raise ValueError(value)
 
 
@@ -130,8 +116,8 @@ def _coerce(key: str, value: Any, where: str):
         if key == "layers":
             return layer_ids(value)
         if key == "compress":
-            v = integer(value)
-            if not 0 <= v <= 22:
+            v, (low, high) = integer(value), _native.COMPRESS_LEVELS
+            if v != 0 and not low <= v <= high:
                 raise ValueError
             return v
         if key == "writer_threads" and isinstance(value, str) and value.strip().lower() == "auto":
@@ -155,11 +141,10 @@ def _coerce(key: str, value: Any, where: str):
                 raise ValueError
             return v
         if key == "format":
-            v = value.strip().lower()
-            v = {"file": "hscapture"}.get(v, v)
-            if v not in FORMATS:
-                raise ValueError
-            return v
+            try:
+                return _native.canonical_format(value.strip().lower())
+            except ConfigError:
+                raise ValueError(value) from None
         if key == "convention":
             v = value.strip().lower()
             if v not in ("after", "before"):
@@ -181,12 +166,16 @@ def _coerce(key: str, value: Any, where: str):
             "durable": "true or false (also yes/no, on/off, 1/0)",
             "model_name": "the model's name, as text",
             "convention": '"after" or "before"',
-            "format": "hscapture (safetensors files, speculators' current training; also called file), fp8 (the same "
-            "with e4m3fn states and per-token scales, speculators' FP8Transfer) or legacy (data_{i}.pt, speculators 0.3/0.4)",
+            "format": "one of "
+            + ", ".join(
+                f"{f.name}{' (also ' + ', '.join(f.aliases) + ')' if f.aliases else ''}"
+                for f in formats.FORMATS.values()
+            ),
             "dtype": "auto, float32, bfloat16 or float16",
             "writer_threads": 'a positive integer or "auto" (one per CPU core, 4 to 16)',
             "writer_queue": "a positive integer",
-            "compress": "an integer: 0 (store states as they are) or a zstd level 1..22 (byte-plane split + zstd; 3 is a good default)",
+            "compress": "an integer: 0 (store states as they are) or a zstd level {}..{} (byte-plane split + zstd; 3 is "
+            "a good default)".format(*_native.COMPRESS_LEVELS),
             "on_nonfinite": '"error" (default: a NonFiniteError naming sample, layer and count) or "skip" (the sample is '
             "not written and is listed in the manifest)",
         }.get(key, "a string")

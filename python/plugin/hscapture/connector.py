@@ -34,11 +34,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from . import _native
+from . import _native, formats
 from .vllm_compat import include_output_tokens
 
 NAME = "HscaptureConnector"
-FORMATS = {"file": "hscapture", "hscapture": "hscapture", "fp8": "fp8", "mooncake": "mooncake"}
+# Every name (and alias) of a format served as per-request files, and the object store's (the core's facts).
+FORMATS = {
+    **{n: f.name for f in formats.FORMATS.values() if f.per_request_files for n in (f.name, *f.aliases)},
+    _native.STORE_FORMAT: _native.STORE_FORMAT,
+}
 # extra-config keys that are additional_config["hscapture"] settings too (the shorter spelling)
 SETTINGS = ("layers", "convention", "dtype")
 KEYS = {"shared_storage_path", "format", "mooncake", *SETTINGS}
@@ -63,7 +67,7 @@ def settings(vllm_config: Any) -> dict | None:
             "Mooncake store, for online training)"
         )
     shorter = {k: extra[k] for k in SETTINGS if k in extra}
-    if FORMATS[fmt] == "mooncake":
+    if FORMATS[fmt] == _native.STORE_FORMAT:
         from . import mooncake
 
         if "shared_storage_path" in extra:
@@ -145,10 +149,11 @@ class HscaptureConnector(KVConnectorBase_V1):
         prompt = list(getattr(request, "prompt_token_ids", None) or ())
         rows, mode = len(prompt), "prompt_only"
         if include_output_tokens(getattr(request, "kv_transfer_params", None)):
-            # The last token was sampled, never an input to a forward: its state does not exist.
-            tokens = [int(t) for t in list(request.all_token_ids)[:-1]]
-            if len(tokens) < len(prompt):
+            every = list(request.all_token_ids)
+            rows = _native.output_sample_rows(len(prompt), len(every))  # the workers decide by the same rule
+            if rows is None:
                 return False, None  # ended before its first output (aborted): no sample, its workers drop its rows
+            tokens = [int(t) for t in every[:rows]]  # the last token was sampled, never an input to a forward
             self.outputs[request.request_id] = tokens
             rows, mode = len(tokens), "all"
         if self.packed is None:

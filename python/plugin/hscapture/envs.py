@@ -13,6 +13,8 @@ import re
 import warnings
 from dataclasses import dataclass
 
+from . import _native
+
 
 @dataclass(frozen=True)
 class EnvVar:
@@ -21,6 +23,20 @@ class EnvVar:
     default: str | None
     help: str
 
+
+SETTINGS = {
+    "layers": "HSCAPTURE_LAYERS",
+    "convention": "HSCAPTURE_CONVENTION",
+    "out": "HSCAPTURE_OUT",
+    "dtype": "HSCAPTURE_DTYPE",
+    "writer_threads": "HSCAPTURE_WRITER_THREADS",
+    "writer_queue": "HSCAPTURE_WRITER_QUEUE",
+    "durable": "HSCAPTURE_DURABLE",
+    "on_nonfinite": "HSCAPTURE_ON_NONFINITE",
+    "compress": "HSCAPTURE_COMPRESS",
+    "format": "HSCAPTURE_FORMAT",
+}
+"""additional_config["hscapture"] keys, each with the variable that gives the same setting."""
 
 REGISTRY: dict[str, EnvVar] = {
     v.name: v
@@ -70,15 +86,19 @@ REGISTRY: dict[str, EnvVar] = {
             "HSCAPTURE_COMPRESS",
             "int",
             "0",
-            "Lossless compression of stored states: 0 = none; 1..22 = byte-plane split + zstd at that level "
-            "(`hidden_states.zst` in the same safetensors file; hscapture's reader and `verify` decode it).",
+            "Lossless compression of stored states: 0 = none; {}..{} = byte-plane split + zstd at that level ".format(
+                *_native.COMPRESS_LEVELS
+            )
+            + "(`hidden_states.zst` in the same safetensors file; hscapture's reader and `verify` decode it).",
         ),
         EnvVar(
             "HSCAPTURE_FORMAT",
             "str",
             "hscapture",
-            "Sample format: `hscapture` (`OUT/hidden_states/hs_{i}.safetensors`, speculators' current training) or "
-            "`legacy` (`OUT/data_{i}.pt`, speculators 0.3/0.4).",
+            "Sample format, one of "
+            + ", ".join(f"`{f['name']}` (`OUT/{f['file_pattern']}`)" for f in _native.formats())
+            + f" (the core's list); the KV connector also takes `{_native.STORE_FORMAT}` (objects in a Mooncake store, "
+            "set in `kv_connector_extra_config`).",
         ),
         EnvVar(
             "HSCAPTURE_ON_NONFINITE",
@@ -211,7 +231,16 @@ REGISTRY: dict[str, EnvVar] = {
 }
 
 _TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def parse_bool(text: str) -> bool:
+    """A yes/no written as text: true/false, yes/no, on/off, 1/0 (any case, spaces around); anything else, the
+    empty text too, is a ``ValueError`` (the one reading of a bool, for variables and settings alike)."""
+    s = text.strip().lower()
+    if s in _TRUE | _FALSE:
+        return s in _TRUE
+    raise ValueError(text)
 
 
 def raw(name: str) -> str | None:
@@ -241,12 +270,7 @@ def get(name: str):
                 raise ValueError(v)
             return int(v)
         if var.kind == "bool":
-            s = v.strip().lower()
-            if s in _TRUE:
-                return True
-            if s in _FALSE:
-                return False
-            raise ValueError(v)
+            return parse_bool(v)
         if var.kind == "names":
             return [x for x in v.replace(" ", "").split(",") if x]
         if var.kind == "ids":
@@ -281,8 +305,8 @@ def markdown() -> str:
         "Generated from `python/plugin/hscapture/envs.py` by `python -m hscapture.envs`; do not edit by hand.",
         "",
         "Capture settings come from vLLM's `additional_config` (`--additional-config '{\"hscapture\": {...}}'`,",
-        "keys `layers`, `convention`, `out`, `dtype`, `writer_threads`, `writer_queue`, `durable`) or from these",
-        "variables. A setting given both ways with different values is refused with `ConfigError`.",
+        "keys " + ", ".join(f"`{k}`" for k in SETTINGS) + ") or from these variables. A setting given both ways",
+        "with different values is refused with `ConfigError`.",
         "",
         "| variable | default | meaning |",
         "|---|---|---|",

@@ -1,7 +1,8 @@
-"""What the driver knows of each sample format beyond its files (which the Rust core writes, reads and
-verifies: ``crates/worker/src/output/format.rs``): where the files go, whether the last layer must be the
-final one, the per-sample data the workers need from the input, and the documents a format adds beside
-its files (the legacy layout's ``sample_lengths.json`` and ``data_config.json``).
+"""What the driver does with each sample format beyond its files. The facts about a format (its names, folder,
+file pattern, stored dtype, compression) are the Rust core's (``crates/worker/src/output/format.rs``, read
+through ``_native.formats()``); this module adds whether the last layer must be the final one, the per-sample
+data the workers need from the input, and the documents a format adds beside its files (the legacy layout's
+``sample_lengths.json`` and ``data_config.json``).
 
 - ``hscapture``: ``OUT/hidden_states/hs_{i}.safetensors``, what speculators' current training reads;
 - ``fp8``: the same files with e4m3fn states and one scale per token, what speculators' ``FP8Transfer`` reads
@@ -13,14 +14,12 @@ its files (the legacy layout's ``sample_lengths.json`` and ``data_config.json``)
 from __future__ import annotations
 
 import json
-import re
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from . import _native
-from .errors import ConfigError
 
 
 def write_json(path: Path, value, durable: bool = True) -> None:
@@ -42,30 +41,37 @@ class RunInfo:
 
 
 class Format:
-    name = "hscapture"
-    folder = "hidden_states"
-    file_pattern = "hidden_states/hs_{i}.safetensors"
+    """A format: the core's descriptor of it (``_native.formats()``), and what the driver does beside its files."""
+
     uses_loss_mask = False
     final_layer_reader: str | None = None  # who reads the highest id as the verifier's final state
     documents: tuple[str, ...] = ()
-    _file = re.compile(r"^hs_(\d+)\.safetensors$")
+
+    def __init__(self, descriptor: dict) -> None:
+        self.name: str = descriptor["name"]
+        self.aliases: tuple[str, ...] = tuple(descriptor["aliases"])
+        self.folder: str = descriptor["folder"]
+        self.file_pattern: str = descriptor["file_pattern"]
+        self.compressible: bool = descriptor["compressible"]
+        self.per_request_files: bool = descriptor["per_request_files"]
+        self._stored: str | None = descriptor["stored_dtype"]
+        self._value_bytes: int | None = descriptor["value_bytes"]
 
     def stored_dtype(self, dtype: str) -> str:
         """The dtype the files hold for states captured in ``dtype`` (``auto`` stays ``auto``)."""
-        return dtype
+        return self._stored or dtype
 
     def bytes_per_value(self, dtype_size: int) -> int:
         """What one stored value takes for a dtype of ``dtype_size`` bytes."""
-        return dtype_size
+        return self._value_bytes or dtype_size
 
     def index_of(self, name: str) -> int | None:
         """The sample index of a file name in ``folder``."""
-        m = self._file.match(name)
-        return int(m.group(1)) if m else None
+        return _native.sample_index(self.name, name)
 
     def holds_capture(self, out: Path) -> bool:
         d = out / self.folder if self.folder else out
-        return d.is_dir() and any(self.index_of(f.name) is not None or ".partial-" in f.name for f in d.iterdir())
+        return d.is_dir() and any(self.index_of(f.name) is not None or _native.is_partial(f.name) for f in d.iterdir())
 
     def write_documents(self, out: Path, records: list[dict], manifest: dict, run: RunInfo) -> None:
         """The documents beside the files, once every file is written."""
@@ -78,25 +84,12 @@ class Format:
         """The documents of a merged capture (``hscapture merge``)."""
 
 
-class Fp8(Format):
-    name = "fp8"
-    stored = "float8_e4m3fn"
-
-    def stored_dtype(self, dtype: str) -> str:
-        return self.stored
-
-    def bytes_per_value(self, dtype_size: int) -> int:
-        return 1
-
-
 class Legacy(Format):
-    name = "legacy"
-    folder = ""
-    file_pattern = "data_{i}.pt"
+    """speculators 0.3/0.4's layout: a loss mask per sample, the final layer required, two documents."""
+
     uses_loss_mask = True
     final_layer_reader = "speculators 0.3/0.4's trainer (--format legacy)"
     documents = ("sample_lengths.json", "data_config.json")
-    _file = re.compile(r"^data_(\d+)\.pt$")
 
     def write_documents(self, out: Path, records: list[dict], manifest: dict, run: RunInfo) -> None:
         lengths = {str(r["index"]): r["length"] for r in sorted(records, key=lambda r: r["index"])}
@@ -126,14 +119,13 @@ class Legacy(Format):
         write_json(out / "data_config.json", cfg)
 
 
-FORMATS: dict[str, Format] = {"hscapture": Format(), "fp8": Fp8(), "legacy": Legacy()}
+_BEHAVIOUR: dict[str, type[Format]] = {"legacy": Legacy}
+FORMATS: dict[str, Format] = {d["name"]: _BEHAVIOUR.get(d["name"], Format)(d) for d in _native.formats()}
 
 
 def get(name: str) -> Format:
-    try:
-        return FORMATS[{"file": "hscapture"}.get(name, name)]
-    except KeyError:
-        raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, found {name!r}") from None
+    """The format ``name`` (or an alias of it) stands for; ``ConfigError`` naming the formats otherwise."""
+    return FORMATS[_native.canonical_format(name)]
 
 
 def of_manifest(manifest: dict) -> Format:
@@ -142,9 +134,8 @@ def of_manifest(manifest: dict) -> Format:
 
 def after_ids(ids: list[int], convention: str) -> list[int] | None:
     """The ids in speculators 0.3/0.4's (``after``) convention; None when one has no ``after`` id (embeddings)."""
-    if convention == "after":
-        return list(ids)
-    return None if 0 in ids else [i - 1 for i in ids]
+    found = _native.layer_ids_in(list(ids), convention, "after")
+    return None if None in found else found
 
 
 def data_config(meta: dict, run: RunInfo) -> dict:

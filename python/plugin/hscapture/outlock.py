@@ -13,10 +13,11 @@ import os
 import time
 from pathlib import Path
 
+from . import _native
 from .errors import OutputError
 
 NAME = ".hscapture.lock"
-WRITER = ".hscapture.writer.lock"
+WRITER = _native.WRITER_LOCK  # the core's writer lock (output/dirlock.rs)
 WRITER_WAIT_S = 30.0
 
 

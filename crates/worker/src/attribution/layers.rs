@@ -38,6 +38,16 @@ impl Convention {
         }
     }
 
+    /// Id `id` of this convention in `to` (None where it has none: `before` 0, the embeddings, in `after`).
+    pub fn id_in(self, id: usize, to: Convention) -> Option<usize> {
+        match (self, to) {
+            (a, b) if a == b => Some(id),
+            (Convention::After, Convention::Before) => id.checked_add(1),
+            (Convention::Before, Convention::After) => id.checked_sub(1),
+            _ => None,
+        }
+    }
+
     /// The largest valid id for a model with `n` decoder layers (None for a model without layers).
     pub const fn max_id(self, n: usize) -> Option<usize> {
         match (self, n) {
@@ -129,15 +139,7 @@ impl LayerPlan {
     /// The same layers expressed in the other convention (`None` for an id with no equivalent:
     /// `before` 0, the embeddings, has no `after` id).
     pub fn ids_in(&self, convention: Convention) -> Vec<Option<usize>> {
-        self.ids
-            .iter()
-            .map(|&id| match (self.convention, convention) {
-                (a, b) if a == b => Some(id),
-                (Convention::After, Convention::Before) => Some(id + 1),
-                (Convention::Before, Convention::After) => id.checked_sub(1),
-                _ => None,
-            })
-            .collect()
+        self.ids.iter().map(|&id| self.convention.id_in(id, convention)).collect()
     }
 }
 

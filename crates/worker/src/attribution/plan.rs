@@ -127,6 +127,14 @@ pub enum Event {
     Aborted { req_id: String, sample: SampleKey, captured: usize, prompt_len: usize },
 }
 
+/// Rows of the sample of a request that captures its generated tokens and finished with `all_tokens` tokens (prompt
+/// and generated): every token that went through a forward, all but the last (sampled, never an input); None when
+/// it ended before its first output (aborted), which leaves no sample. The KV connector's scheduler and the
+/// workers both decide by this.
+pub fn output_sample_rows(prompt_len: usize, all_tokens: usize) -> Option<usize> {
+    all_tokens.checked_sub(1).filter(|&rows| rows >= prompt_len)
+}
+
 #[derive(Debug)]
 struct Track {
     sample: SampleKey,
@@ -205,7 +213,9 @@ impl Tracker {
         for id in &input.finished {
             let Some(mut t) = self.reqs.remove(id) else { continue };
             match outputs.remove(id.as_str()) {
-                Some(tokens) if t.with_outputs && t.captured >= t.prompt_len && tokens.len() >= t.prompt_len => {
+                Some(tokens)
+                    if t.with_outputs && t.captured >= t.prompt_len && output_sample_rows(t.prompt_len, tokens.len() + 1).is_some() =>
+                {
                     let step = self.step;
                     let prompt_first = tokens.len() >= t.prompt_len && tokens[..t.prompt_len] == t.token_ids[..];
                     ensure!(

@@ -7,6 +7,9 @@
 
 use crate::{core_err, ensure, error::CoreResult};
 
+/// The zstd levels a capture may compress with (0 or unset: none).
+pub const LEVELS: std::ops::RangeInclusive<i32> = 1..=22;
+
 /// The name stored in a file's metadata (`hscapture.compression`).
 pub const CODEC: &str = "byteplane-zstd/1";
 

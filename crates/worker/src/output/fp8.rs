@@ -12,7 +12,7 @@ use safetensors::{Dtype, SafeTensors};
 use crate::attribution::plan::SampleKey;
 use crate::output::format::Format;
 use crate::output::record::Identity;
-use crate::output::safetensors::{check_sample, file_of, header, identity_metadata, index_in, token_bytes, Tensor, FOLDER};
+use crate::output::safetensors::{check_sample, file_of, header, identity_metadata, index_in, token_bytes, Tensor, FOLDER, PATTERN};
 use crate::output::sample::{LoadedSample, Sample};
 use crate::{core_err, ensure, error::CoreResult};
 use hscapture_kernels::{fp8, DType};
@@ -122,6 +122,14 @@ impl Format for Fp8 {
 
     fn folder(&self) -> &'static str {
         FOLDER
+    }
+
+    fn file_pattern(&self) -> &'static str {
+        PATTERN
+    }
+
+    fn stored_value_bytes(&self, _: DType) -> usize {
+        1
     }
 
     fn index_of(&self, name: &str) -> Option<u64> {

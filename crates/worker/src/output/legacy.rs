@@ -198,6 +198,10 @@ impl Format for Legacy {
         ""
     }
 
+    fn file_pattern(&self) -> &'static str {
+        "data_{i}.pt"
+    }
+
     fn index_of(&self, name: &str) -> Option<u64> {
         name.strip_prefix("data_")?.strip_suffix(".pt")?.parse().ok()
     }

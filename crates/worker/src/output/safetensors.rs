@@ -158,6 +158,8 @@ pub fn token_ids(ti: &safetensors::tensor::TensorView<'_>, what: &str) -> CoreRe
 
 /// The folder of safetensors sample files (the `hscapture` and `fp8` formats).
 pub const FOLDER: &str = "hidden_states";
+/// Sample `i`'s file (the `hscapture` and `fp8` formats).
+pub const PATTERN: &str = "hidden_states/hs_{i}.safetensors";
 
 /// Sample `key`'s safetensors file, relative to the output root.
 pub fn file_of(key: &SampleKey) -> String {
@@ -180,6 +182,18 @@ impl Format for Safetensors {
 
     fn folder(&self) -> &'static str {
         FOLDER
+    }
+
+    fn aliases(&self) -> &'static [&'static str] {
+        &["file"]
+    }
+
+    fn file_pattern(&self) -> &'static str {
+        PATTERN
+    }
+
+    fn compressible(&self) -> bool {
+        true
     }
 
     fn index_of(&self, name: &str) -> Option<u64> {

@@ -59,7 +59,7 @@ impl FileSink {
             Layout::Capture => (Some(WriterLock::acquire(root)?), Some(Journal::open(root, &identity, durable)?), None),
             Layout::Staging(locks) => {
                 ensure!(
-                    format.folder() == "hidden_states",
+                    format.per_request_files(),
                     Config,
                     "per-request files are safetensors files; the {} format cannot be served that way",
                     format.name()

@@ -3,6 +3,7 @@
 use pyo3::prelude::*;
 
 mod errors;
+mod facts;
 mod functions;
 mod session;
 mod store;
@@ -13,6 +14,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
     functions::register(m)?;
+    facts::register(m)?;
     m.add_class::<session::CaptureSession>()?;
     Ok(())
 }

@@ -30,6 +30,17 @@ fn out(root: Option<PathBuf>) -> OutputSettings {
     }
 }
 
+/// A step's input scheduling one new request's whole prompt.
+fn whole_prompt(id: &str, prompt: Vec<i64>, sample: Option<u64>) -> StepInput {
+    let n = prompt.len();
+    StepInput {
+        new_requests: vec![NewRequest { req_id: id.into(), prompt_token_ids: prompt, num_computed_tokens: 0, sample, loss_mask: None }],
+        num_scheduled: vec![(id.into(), n)],
+        total_tokens: n,
+        ..Default::default()
+    }
+}
+
 /// A step, then its release (as the caller does once the ranks' meeting passed).
 fn step(w: &mut WorkerSession, i: u64) -> Vec<StepReport> {
     let r = step_unreleased(w, i);
@@ -39,19 +50,7 @@ fn step(w: &mut WorkerSession, i: u64) -> Vec<StepReport> {
 
 fn step_unreleased(w: &mut WorkerSession, i: u64) -> Vec<StepReport> {
     let id = format!("r{i}");
-    let input = StepInput {
-        new_requests: vec![NewRequest {
-            req_id: id.clone(),
-            prompt_token_ids: vec![1, 2, 3],
-            num_computed_tokens: 0,
-            sample: Some(i),
-            loss_mask: None,
-        }],
-        num_scheduled: vec![(id.clone(), 3)],
-        total_tokens: 3,
-        ..Default::default()
-    };
-    w.begin_step(input).unwrap();
+    w.begin_step(whole_prompt(&id, vec![1, 2, 3], Some(i))).unwrap();
     w.plan(&[id]).unwrap();
     let h = [0.5f32, 1.5, 2.5, 3.5, 4.5, 5.5];
     let t = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![3, 2], strides: vec![2, 1], dtype: DType::F32, device: Device::Cpu };
@@ -254,19 +253,7 @@ fn a_release_does_not_wait_for_the_samples_of_the_step_still_in_flight() {
     let mut w = WorkerSession::new(cfg4, o).unwrap();
     w.set_background(2).unwrap();
     w.set_device(Box::new(HostDevice::new(1, 16, 3)), true).unwrap();
-    let input = StepInput {
-        new_requests: vec![NewRequest {
-            req_id: "r0".into(),
-            prompt_token_ids: vec![1, 2, 3],
-            num_computed_tokens: 0,
-            sample: None,
-            loss_mask: None,
-        }],
-        num_scheduled: vec![("r0".into(), 3)],
-        total_tokens: 3,
-        ..Default::default()
-    };
-    w.begin_step(input).unwrap();
+    w.begin_step(whole_prompt("r0", vec![1, 2, 3], None)).unwrap();
     w.release().unwrap();
     w.plan(&["r0".to_string()]).unwrap();
     let h: Vec<f32> = (0..12).map(|i| i as f32 + 0.5).collect();
@@ -288,19 +275,7 @@ fn a_release_does_not_wait_for_the_samples_of_the_step_still_in_flight() {
 fn a_layer_that_is_one_row_for_every_token_is_refused_and_not_written() {
     let d = tempfile::tempdir().unwrap();
     let mut w = WorkerSession::new(cfg(true), out(Some(d.path().into()))).unwrap();
-    let input = StepInput {
-        new_requests: vec![NewRequest {
-            req_id: "r".into(),
-            prompt_token_ids: vec![1, 2, 3],
-            num_computed_tokens: 0,
-            sample: Some(7),
-            loss_mask: None,
-        }],
-        num_scheduled: vec![("r".into(), 3)],
-        total_tokens: 3,
-        ..Default::default()
-    };
-    w.begin_step(input).unwrap();
+    w.begin_step(whole_prompt("r", vec![1, 2, 3], Some(7))).unwrap();
     w.plan(&["r".to_string()]).unwrap();
     let h = [0.5f32, 1.5, 0.5, 1.5, 0.5, 1.5]; // three tokens, one row
     let t = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![3, 2], strides: vec![2, 1], dtype: DType::F32, device: Device::Cpu };

@@ -82,9 +82,14 @@ def check_options(opts: ExtractOptions) -> None:
     ):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
             raise ConfigError(f"{flag} must be an integer of at least {low}, found {value!r}")
-    if isinstance(opts.compress, bool) or not isinstance(opts.compress, int) or not 0 <= opts.compress <= 22:
-        raise ConfigError(f"--compress must be 0 (none) or a zstd level 1..22, found {opts.compress!r}")
-    if opts.compress and opts.format != "hscapture":
+    low, high = _native.COMPRESS_LEVELS
+    if (
+        isinstance(opts.compress, bool)
+        or not isinstance(opts.compress, int)
+        or not (opts.compress == 0 or low <= opts.compress <= high)
+    ):
+        raise ConfigError(f"--compress must be 0 (none) or a zstd level {low}..{high}, found {opts.compress!r}")
+    if opts.compress and not formats.get(opts.format).compressible:
         raise ConfigError(
             f"--compress applies to --format hscapture; the {opts.format} format stores states as they are"
         )
@@ -93,7 +98,7 @@ def check_options(opts: ExtractOptions) -> None:
 
 
 def _check_final_layer(ids: list[int], convention: str, n_layers: int, why: str) -> None:
-    final = n_layers if convention == "before" else n_layers - 1
+    final = _native.final_layer_id(convention, n_layers)
     if ids[-1] != final:
         raise ConfigError(
             f"{why} reads the last captured layer as the verifier's final hidden state, but the last id is {ids[-1]} "
@@ -124,17 +129,9 @@ def check_executor(executor: str | None) -> None:
 
 def identity(opts: ExtractOptions, ids: list[int], cfg: dict) -> dict:
     """The run's identity as far as the driver knows it (the stored dtype may be vLLM's choice: `auto`)."""
-    fmt = formats.get(opts.format)
-    dtype = fmt.stored_dtype(opts.store_dtype if opts.store_dtype != "auto" else opts.dtype)
-    return {
-        "format": fmt.name,
-        "model": str(opts.model),
-        "layer_ids": ids,
-        "convention": opts.convention,
-        "dtype": dtype,
-        "hidden_size": model_field(cfg, "hidden_size"),
-        "num_hidden_layers": model_field(cfg, "num_hidden_layers"),
-    }
+    dtype = opts.store_dtype if opts.store_dtype != "auto" else opts.dtype
+    hidden, layers = model_field(cfg, "hidden_size"), model_field(cfg, "num_hidden_layers")
+    return dict(_native.capture_identity(opts.format, str(opts.model), ids, opts.convention, dtype, hidden, layers))
 
 
 def _run_extract(opts: ExtractOptions) -> ExtractReport:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .. import _native
 from ..errors import HscaptureError
 from ..formats import FORMATS
 
@@ -87,8 +88,9 @@ def parser() -> argparse.ArgumentParser:
         type=_int,
         default=0,
         metavar="LEVEL",
-        help="store states losslessly compressed: byte-plane split + zstd at LEVEL (1..22; 1 is fastest and "
-        "compressed as well as 3 or 9 on the activations measured); 0 = as they are (default); hscapture's reader and verify decode them",
+        help="store states losslessly compressed: byte-plane split + zstd at LEVEL ({}..{}; 1 is fastest and "
+        "compressed as well as 3 or 9 on the activations measured); 0 = as they are (default); hscapture's reader and "
+        "verify decode them".format(*_native.COMPRESS_LEVELS),
     )
     ex.add_argument(
         "--on-nonfinite",

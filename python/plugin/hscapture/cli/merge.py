@@ -122,7 +122,7 @@ def _place(src: Path, dst: Path, size: int, move: bool) -> str:
             f"{src} has {src.stat().st_size} bytes, its manifest says {size}: the file changed; run "
             "hscapture verify on that shard"
         )
-    tmp = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
+    tmp = Path(_native.partial_path(str(dst)))
     tmp.unlink(missing_ok=True)
     try:
         if move:

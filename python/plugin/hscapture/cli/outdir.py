@@ -28,11 +28,7 @@ def _entries(out: Path, fmt) -> list[Path]:
     """The entries of OUT that belong to a capture (its files, documents, ledger)."""
     found = [out / n for n in _OWN if (out / n).exists()]
     if not fmt.folder and out.is_dir():
-        found += [
-            p
-            for p in out.iterdir()
-            if fmt.index_of(p.name) is not None or (".partial-" in p.name and p.name.startswith("."))
-        ]
+        found += [p for p in out.iterdir() if fmt.index_of(p.name) is not None or _native.is_partial(p.name)]
     return found
 
 
@@ -75,7 +71,7 @@ def prepare(out: Path, overwrite: bool, resume: bool = False, fmt=None) -> Path 
     if existing and resume:
         d = out / fmt.folder if fmt.folder else out
         for f in d.iterdir():
-            if f.name.startswith(".") and ".partial-" in f.name:
+            if _native.is_partial(f.name):
                 f.unlink(missing_ok=True)  # an interrupted write: never visible as a sample
     return aside
 

@@ -118,3 +118,26 @@ fn a_compressed_shape_that_overflows_is_an_error_not_an_allocation() {
     let e = Safetensors { compress: None }.decode(&with_shape(&file, "1,1000,1000"), "t").unwrap_err();
     assert!(e.message.contains("the file is damaged"), "{e}");
 }
+
+#[test]
+fn every_format_s_descriptor_says_what_its_files_do() {
+    use crate::output::format::{all, canonical, Descriptor};
+    for f in all() {
+        let d = Descriptor::of(f.as_ref());
+        let file = f.file(&SampleKey::Index(42));
+        assert_eq!(file, d.file_pattern.replace("{i}", "42"), "{}", d.name);
+        let name = file.rsplit('/').next().unwrap();
+        assert_eq!(f.index_of(name), Some(42), "{}", d.name);
+        assert!(file.starts_with(d.folder), "{}", d.name);
+        assert_eq!(canonical(d.name).unwrap(), d.name);
+        for a in d.aliases {
+            assert_eq!(canonical(a).unwrap(), d.name);
+        }
+    }
+    assert_eq!(canonical("file").unwrap(), "hscapture");
+    assert!(canonical("parquet").unwrap_err().message.contains("hscapture, fp8, legacy"));
+    let fp8 = Descriptor::of(crate::output::format::by_name("fp8", None).unwrap().as_ref());
+    assert_eq!((fp8.stored_dtype, fp8.value_bytes, fp8.per_request_files), (Some("float8_e4m3fn"), Some(1), true));
+    let legacy = Descriptor::of(crate::output::format::by_name("legacy", None).unwrap().as_ref());
+    assert_eq!((legacy.stored_dtype, legacy.folder, legacy.per_request_files), (None, "", false));
+}

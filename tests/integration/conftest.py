@@ -16,6 +16,8 @@ HERE = Path(__file__).resolve().parent
 os.environ["PYTHONPATH"] = str(HERE) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
+import sitecustomize  # noqa: E402, F401 - this process too (Python imported its own before the path was set)
+
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 

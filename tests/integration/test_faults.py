@@ -25,7 +25,6 @@ def test_wrong_capture_is_caught(tmp_path, tiny_model, worker):
     assert cmp.worst > 0.05
 
 
-@pytest.mark.newest
 def test_a_step_the_ranks_disagree_on_leaves_nothing_and_resume_heals_it(tmp_path, tiny_model):
     """Rank 1's rows of sample 3 differ (one request per step; sample 3's one step also completes it). The run
     fails naming the ranks, and nothing of that step or later is on disk: no file, no journal line, no record —

@@ -2,7 +2,8 @@
 states of every token that went through a forward — its prompt and its generated tokens but the last, as
 speculators' connector defines it (``request.all_token_ids[:-1]``) — from one generation. Requests of different
 lengths run concurrently (mixed prefill and decode steps, chunked prefill in 32-token steps), beside one that asks
-for its prompt only; each file must equal HF transformers' states of exactly those tokens (greedy), TP=1 and TP=2."""
+for its prompt only; each file must equal HF transformers' states of exactly those tokens (greedy), TP=1 and TP=2;
+and the capture changes no generated token."""
 
 from __future__ import annotations
 
@@ -21,13 +22,20 @@ from hscapture import runtime_env
 pytestmark = [pytest.mark.integration, pytest.mark.newest]
 
 
-def ask(server, prompt: list[int], max_tokens: int, outputs: bool) -> tuple[list[int], list[int], Path]:
+def complete(server, prompt: list[int], max_tokens: int, **extra) -> dict:
+    """Greedy completion of exactly `max_tokens` tokens; the answer carries its token ids."""
     body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
-    body |= {"ignore_eos": True, "return_token_ids": True}
-    if outputs:
-        body["kv_transfer_params"] = {"include_output_tokens": True}
-    status, answer = server.post("/v1/completions", body, timeout=300)
+    status, answer = server.post(
+        "/v1/completions", body | {"ignore_eos": True, "return_token_ids": True, **extra}, timeout=300
+    )
     assert status == 200, answer
+    return answer
+
+
+def ask(server, prompt: list[int], max_tokens: int, outputs: bool) -> tuple[list[int], list[int], Path]:
+    """A capturing server's answer: (prompt, generated ids, its whole file's path)."""
+    params = {"kv_transfer_params": {"include_output_tokens": True}} if outputs else {}
+    answer = complete(server, prompt, max_tokens, **params)
     generated = list(answer["choices"][0]["token_ids"])
     path = Path(answer["kv_transfer_params"]["hidden_states_path"])
     with open(str(path) + ".lock", "rb") as lock:  # held from the request's first step until the file is whole
@@ -36,22 +44,42 @@ def ask(server, prompt: list[int], max_tokens: int, outputs: bool) -> tuple[list
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_prompt_and_generated_tokens_equal_hf(tmp_path, tiny_model, tp):
+def test_prompt_and_generated_tokens_equal_hf_and_the_capture_changes_no_token(tmp_path, tiny_model, tp):
+    """One capturing server, then the same server without capture:
+    - one request at a time (so both servers compute the same batches), greedy, 40 tokens each, two with
+      `include_output_tokens` and one prompt-only: the capturing server generates exactly the plain server's
+      tokens (vLLM's own extraction once changed generated tokens when turned on);
+    - then five concurrent requests of mixed lengths, the last prompt-only (mixed prefill and decode steps);
+    every file holds exactly its tokens, and their states equal HF's."""
     from hscapture.testing import reference
 
     model = tiny_model("llama", "float32")
     rng = random.Random(7 + tp)
+    alone = [[rng.randrange(4, 1000) for _ in range(rng.randint(5, 60))] for _ in range(3)]
     prompts = [[rng.randrange(4, 1000) for _ in range(rng.randint(3, 70))] for _ in range(5)]
     lengths = [1, 4, 9, 17, 6]
-    server, stage = serve(tmp_path, model, "file", tp=tp)
-    with server, ThreadPoolExecutor(5) as pool:
-        # The last one asks for its prompt only: its file holds the prompt's states, as before.
-        jobs = [pool.submit(ask, server, p, n, k < 4) for k, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
-        results = [j.result() for j in jobs]
+    server, _stage = serve(tmp_path, model, "file", tp=tp)
+    with server:
+        results = [ask(server, p, 40, outputs=k < 2) for k, p in enumerate(alone)]
+        with ThreadPoolExecutor(5) as pool:
+            jobs = [
+                pool.submit(ask, server, p, n, k < 4) for k, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+            ]
+            results += [j.result() for j in jobs]
+    on = [generated for _prompt, generated, _path in results[:3]]
+    args = [*VLLM_ARGS, "--tensor-parallel-size", str(tp)] + (
+        ["--distributed-executor-backend", "mp"] if tp > 1 else []
+    )
+    with Server(tmp_path, model, *args, env=runtime_env.cpu_defaults(tp), name=f"plain-tp{tp}") as plain:
+        off = [list(complete(plain, p, 40)["choices"][0]["token_ids"]) for p in alone]
+    assert [len(t) for t in on] == [40, 40, 40]
+    assert on == off, "the capture changed generated tokens"
+
+    outputs = [True, True, False, True, True, True, True, False]
     expected = []
-    for k, (prompt, generated, path) in enumerate(results):
-        assert len(generated) == lengths[k]
-        tokens = prompt + generated[:-1] if k < 4 else prompt
+    for k, ((prompt, generated, path), n) in enumerate(zip(results, [40, 40, 40, *lengths], strict=True)):
+        assert len(generated) == n
+        tokens = prompt + generated[:-1] if outputs[k] else prompt
         got = load(path)
         assert got["token_ids"].tolist() == tokens, f"request {k}: token ids"
         assert tuple(got["hidden_states"].shape) == (len(tokens), len(LAYERS), 128)
@@ -61,29 +89,3 @@ def test_prompt_and_generated_tokens_equal_hf(tmp_path, tiny_model, tp):
         theirs = theirs.float()
         err = torch.linalg.vector_norm(ours - theirs, dim=-1) / torch.linalg.vector_norm(theirs, dim=-1)
         assert float(err.max()) < 1e-4, f"request {k}: {float(err.max()):.2e} from HF at position {int(err.argmax())}"
-
-
-@pytest.mark.parametrize("tp", [1, 2])
-def test_capture_changes_no_generated_token(tmp_path, tiny_model, tp):
-    """vLLM's own extraction once changed generated tokens when turned on. Greedy, 40 tokens per request, one
-    request at a time (so both servers compute the same batches): the capturing server (prompt and response, and
-    prompt only) generates exactly the tokens of the same server without capture."""
-    model = tiny_model("llama", "float32")
-    rng = random.Random(31 + tp)
-    prompts = [[rng.randrange(4, 1000) for _ in range(rng.randint(5, 60))] for _ in range(3)]
-    server, _stage = serve(tmp_path, model, "file", tp=tp)
-    with server:
-        on = [ask(server, p, 40, outputs=k < 2)[1] for k, p in enumerate(prompts)]
-    args = [*VLLM_ARGS, "--tensor-parallel-size", str(tp)] + (
-        ["--distributed-executor-backend", "mp"] if tp > 1 else []
-    )
-    plain = Server(tmp_path, model, *args, env=runtime_env.cpu_defaults(tp), name=f"plain-tp{tp}")
-    with plain:
-        off = []
-        for p in prompts:
-            body = {"model": model, "prompt": p, "max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
-            status, answer = plain.post("/v1/completions", {**body, "return_token_ids": True}, timeout=300)
-            assert status == 200, answer
-            off.append(list(answer["choices"][0]["token_ids"]))
-    assert [len(t) for t in on] == [40, 40, 40]
-    assert on == off, "the capture changed generated tokens"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from helpers import assert_matches_reference, extract, prompts
 
-pytestmark = [pytest.mark.integration, pytest.mark.newest]
+# On the newest vLLM: one convention (the stages' adapter is the same for both) and the shim's keying.
+pytestmark = [pytest.mark.integration]
 
 
 def _needs_stage_buffer_shim() -> bool:
@@ -17,7 +18,9 @@ def _needs_stage_buffer_shim() -> bool:
     return vllm_version() >= (0, 20)
 
 
-@pytest.mark.parametrize("convention,layers", [("after", [0, 1, 3]), ("before", [0, 3, 4])])
+@pytest.mark.parametrize(
+    "convention,layers", [pytest.param("after", [0, 1, 3], marks=pytest.mark.newest), ("before", [0, 3, 4])]
+)
 def test_pp2_captures_layers_of_both_stages(tmp_path, tiny_model, convention, layers):
     model = tiny_model("llama", "float32")
     ps = prompts(seed=5)
@@ -25,6 +28,7 @@ def test_pp2_captures_layers_of_both_stages(tmp_path, tiny_model, convention, la
     assert_matches_reference(tmp_path, model, ps, rep, samples, layers, convention)
 
 
+@pytest.mark.newest
 def test_pp_stage_buffer_shim_is_needed_exactly_where_keyed(tmp_path, tiny_model, monkeypatch):
     """Fails once vLLM allocates the pipeline receive buffer in eager mode itself (remove the shim then)."""
     monkeypatch.setenv("HSCAPTURE_DISABLE_SHIMS", "pp_stage_buffer")

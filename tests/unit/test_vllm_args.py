@@ -122,7 +122,7 @@ def test_every_key_extract_sets_is_owned_or_deliberately_left_to_the_user():
 
     from hscapture.cli import extract
 
-    tree = ast.parse(inspect.getsource(extract._capture))
+    tree = ast.parse(inspect.getsource(extract._engine_kwargs))
     built = set()
     for node in ast.walk(tree):
         if (

@@ -25,7 +25,9 @@ from ..vllm_compat import LOSS_MASK_KEY, SAMPLE_KEY
 from . import outdir
 from .engine import drive
 from .inputs import as_prompt_set, check_prompts, has_tokenizer, model_field, read_model_config
+from .manifest import finish
 from .report import ExtractReport, Progress
+from .run import Run
 from .shard import Shard, ShardInfo, check_resume
 
 __all__ = ["ExtractOptions", "ExtractReport", "run_extract", "prepare_out", "quiet_vllm"]
@@ -150,41 +152,33 @@ def _run_extract(opts: ExtractOptions) -> ExtractReport:
     rows = shard.rows(len(prompts)) if shard else list(range(len(prompts)))
     check_prompts(prompts, model_cfg, rows, opts.max_model_len)
     out = Path(opts.out).resolve()
+    checks = [f"layer ids {ids} validated for {n_layers} layers ({opts.convention} convention)"]
+    run = Run(opts, prompts, fmt, model_cfg, ids, rows, out, checks)
     aside = outdir.prepare(out, opts.overwrite, opts.resume, fmt)
     try:
         failures.clear(out)
-        info = (
-            ShardInfo(
-                shard.k,
-                shard.n,
-                len(prompts),
-                opts.input_path or getattr(prompts, "source", ""),
-                prompts.fingerprint(),
-                fmt.name,
-            )
-            if shard
-            else None
-        )
-        checks: list[str] = [f"layer ids {ids} validated for {n_layers} layers ({opts.convention} convention)"]
-        done: dict[int, dict] = {}
-        found_identity = None
+        info = _shard_info(run, shard) if shard else None
         if opts.resume:
             check_resume(out, info)
-            done, found_identity = _resume(out, prompts, set(rows), identity(opts, ids, model_cfg))
+            run.done, run.found_identity = _resume(out, prompts, set(rows), identity(opts, ids, model_cfg))
             checks.append(
-                f"resume: {len(done)} finished files kept, each re-read whole with the checksum its record "
+                f"resume: {len(run.done)} finished files kept, each re-read whole with the checksum its record "
                 "vouches for, the run's settings and tokens equal to their prompts"
             )
         if info is not None:
             info.write(out)
-        todo = [i for i in rows if i not in done]
-        if not todo:
+        if not run.todo:
             outdir.discard(aside)
-            return _finish(out, opts, prompts, rows, done, None, 0.0, [], checks, found_identity)
-        return _capture(opts, prompts, fmt, out, aside, ids, rows, todo, done, checks, shard, model_cfg)
+            return finish(run, None, 0.0, [])
+        return _capture(run, aside)
     except BaseException:
         outdir.restore(out, aside)  # nothing was started: the earlier capture comes back
         raise
+
+
+def _shard_info(run: Run, shard: Shard) -> ShardInfo:
+    source = run.opts.input_path or getattr(run.prompts, "source", "")
+    return ShardInfo(shard.k, shard.n, len(run.prompts), source, run.prompts.fingerprint(), run.fmt.name)
 
 
 def _resume(out: Path, prompts, rows: set[int], ident: dict) -> tuple[dict[int, dict], dict | None]:
@@ -211,26 +205,23 @@ def _resume(out: Path, prompts, rows: set[int], ident: dict) -> tuple[dict[int, 
     return done, json.loads(found) if found else None
 
 
-def _capture(opts, prompts, fmt, out, aside, ids, rows, todo, done, checks, shard, model_cfg) -> ExtractReport:
-    runtime_env.apply(opts.tp * opts.pp)
-    shims = apply_driver_shims(model_cfg)
+def _engine_kwargs(run: Run) -> dict:
+    """vllm.LLM's arguments: hscapture's worker and capture settings, then the user's `--vllm-arg`s."""
+    opts = run.opts
     cfg = CaptureConfig(
-        layers=tuple(ids),
+        layers=tuple(run.ids),
         convention=opts.convention,
-        out=str(out),
+        out=str(run.out),
         dtype=opts.store_dtype,
         writer_threads=opts.writer_threads,
         durable=opts.durable,
         model_name=str(opts.model),
         on_nonfinite=opts.on_nonfinite,
         compress=opts.compress,
-        format=fmt.name,
+        format=run.fmt.name,
     )
-
-    from vllm import LLM
-
-    longest = max(prompts.length(i) for i in todo)
-    max_pos = model_field(model_cfg, "max_position_embeddings", required=False)
+    longest = max(run.prompts.length(i) for i in run.todo)
+    max_pos = model_field(run.model_cfg, "max_position_embeddings", required=False)
     auto_len = max(longest + 1, 32)  # a prompt and its one generated token; check_prompts kept it under max_pos
     if max_pos is not None:
         auto_len = min(auto_len, max_pos)
@@ -256,62 +247,75 @@ def _capture(opts, prompts, fmt, out, aside, ids, rows, todo, done, checks, shar
     if opts.progress:
         kwargs["use_tqdm_on_load"] = False  # one progress bar on the terminal: ours (generate's is not used either)
     kwargs.update(opts.llm_kwargs)
+    return kwargs
+
+
+def _capture(run: Run, aside) -> ExtractReport:
+    """Starts vLLM with the capture, streams the rows still to do through it, and writes the manifest."""
+    opts = run.opts
+    runtime_env.apply(opts.tp * opts.pp)
+    shims = apply_driver_shims(run.model_cfg)
+    kwargs = _engine_kwargs(run)
+    from vllm import LLM
+
     os.environ[lifetime.MARK] = str(os.getpid())  # the processes vLLM starts now die with this one
     try:
         llm = LLM(**kwargs)
     except Exception as e:
-        failures.raise_recorded(out, e)
+        failures.raise_recorded(run.out, e)
         raise
     outdir.discard(aside)  # the engine started with the capture set up: the replaced capture goes now
-    total_tokens = sum(prompts.length(i) for i in todo)
-    progress = None
-    if opts.progress or opts.log_every > 0:
-        progress = Progress(
-            len(todo),
-            total_tokens,
-            _bytes_per_token(llm, model_cfg, opts, len(ids)),
-            interactive=opts.progress,
-            every=opts.log_every or 30.0,
-            label=f"shard {shard}" if shard else "capture",
-        )
-
-    def finished(i: int, length: int) -> None:
-        if progress is not None:
-            progress.update(1, length)
-
-    def extra(i: int) -> dict:
-        mask = prompts.loss_mask(i) if fmt.uses_loss_mask else None
-        return {SAMPLE_KEY: i, **({LOSS_MASK_KEY: mask} if mask is not None else {})}
-
+    progress = _progress(run, llm)
     try:
         t0 = time.perf_counter()
         with lifetime.Watchdog(lifetime.engine_processes(llm)):
-            drive(llm, prompts, todo, finished, window=opts.window, extra_args=extra)
+            finished = (lambda i, length: progress.update(1, length)) if progress else (lambda i, length: None)
+            drive(llm, run.prompts, run.todo, finished, window=opts.window, extra_args=lambda i: _sample_args(run, i))
             results = [r for r in llm.collective_rpc("hscapture_finish") if r]
         seconds = time.perf_counter() - t0
     except Exception as e:  # a worker's recorded error is the root cause of a dead engine: it comes first
-        failures.raise_recorded(out, e)
+        failures.raise_recorded(run.out, e)
         raise
     finally:
         if progress is not None:
             progress.close()
         _shutdown(llm)
-    failures.raise_recorded(out)  # a worker failed, yet the engine finished the run (vLLM 0.23 can)
+    failures.raise_recorded(run.out)  # a worker failed, yet the engine finished the run (vLLM 0.23 can)
     writers = [r for r in results if r.get("writer")]
     if len(writers) != 1:
         raise OutputError(f"expected one writing rank, {len(writers)} reported; results: {results}")
     w = writers[0]
     stats = w.get("stats", {})
-    checks.append(
+    run.checks.append(
         f"contract per step (shapes, dtypes, rows = prompt tokens, finite values): {stats.get('steps', '?')} "
         f"steps, {stats.get('rows', '?')} rows"
     )
     if opts.tp > 1:
-        checks.append(f"each step's checksum equal on all {opts.tp} TP ranks")
-    rep = _finish(out, opts, prompts, rows, done, w, seconds, shims, checks, None)
+        run.checks.append(f"each step's checksum equal on all {opts.tp} TP ranks")
+    rep = finish(run, w, seconds, shims)
     if progress is not None:
         rep.steady_tokens_per_s = progress.steady_rate()
     return rep
+
+
+def _progress(run: Run, llm) -> Progress | None:
+    opts = run.opts
+    if not (opts.progress or opts.log_every > 0):
+        return None
+    return Progress(
+        len(run.todo),
+        sum(run.prompts.length(i) for i in run.todo),
+        _bytes_per_token(llm, run.model_cfg, opts, len(run.ids)),
+        interactive=opts.progress,
+        every=opts.log_every or 30.0,
+        label=f"shard {opts.shard}" if opts.shard else "capture",
+    )
+
+
+def _sample_args(run: Run, i: int) -> dict:
+    """What a request carries to the workers: its row, and its loss mask where the format stores one."""
+    mask = run.prompts.loss_mask(i) if run.fmt.uses_loss_mask else None
+    return {SAMPLE_KEY: i, **({LOSS_MASK_KEY: mask} if mask is not None else {})}
 
 
 def _shutdown(llm) -> None:
@@ -327,90 +331,6 @@ def _bytes_per_token(llm, cfg: dict, opts: ExtractOptions, n: int) -> int:
     if dt == "auto":
         dt = str(getattr(getattr(llm.llm_engine, "model_config", None), "dtype", "bfloat16")).removeprefix("torch.")
     return n * model_field(cfg, "hidden_size") * formats.get(opts.format).bytes_per_value(sizes.get(dt, 2))
-
-
-def _finish(
-    out: Path,
-    opts: ExtractOptions,
-    prompts,
-    rows: list[int],
-    done: dict,
-    w: dict | None,
-    seconds: float,
-    shims: list[str],
-    checks: list[str],
-    found_identity: dict | None,
-) -> ExtractReport:
-    """Checks that every row has its file and writes the manifest (earlier finished samples included)."""
-    fmt = formats.get(opts.format)
-    records = list(done.values()) + (w["records"] if w else [])
-    # Samples skipped for NaN/Inf (on_nonfinite=skip): listed in the manifest, retried by --resume.
-    skipped = [dict(x, index=int(x["sample"])) for x in (w or {}).get("skipped", []) if str(x["sample"]).isdigit()]
-    missing = sorted(set(rows) - {r["index"] for r in records} - {x["index"] for x in skipped})
-    if missing:
-        raise OutputError(
-            f"{len(missing)} of {len(rows)} prompts produced no file (first: {missing[:10]}); aborted requests: "
-            f"{(w or {}).get('aborted', [])[:5]}; re-run with --resume to capture them"
-        )
-    import vllm
-
-    meta = w or found_identity
-    manifest = {
-        "format": _native.MANIFEST_FORMAT,
-        "sample_format": fmt.name,
-        "model": str(opts.model),
-        "layer_ids": meta["layer_ids"],
-        "convention": meta["convention"],
-        "dtype": meta["dtype"],
-        **({"model_dtype": meta["model_dtype"]} if meta.get("model_dtype") else {}),
-        "hidden_size": meta["hidden_size"],
-        "num_hidden_layers": meta["num_hidden_layers"],
-        "tensor_parallel_size": meta.get("tp_size", opts.tp),
-        "created_by": {"hscapture": _native.__version__, "vllm": getattr(vllm, "__version__", "?")},
-        "samples": records,
-    }
-    if skipped:
-        manifest["skipped"] = [{"index": x["index"], "why": x["why"]} for x in skipped]
-    fmt.write_documents(
-        out,
-        records,
-        manifest,
-        formats.RunInfo(
-            model=str(opts.model),
-            input_path=opts.input_path or getattr(prompts, "source", ""),
-            num_samples=len(rows),
-            seq_length=opts.max_model_len or max(r["length"] for r in records) + 1,
-            tp=opts.tp,
-            gpu_memory_utilization=opts.llm_kwargs.get("gpu_memory_utilization"),
-            durable=opts.durable,
-        ),
-    )
-    _native.write_manifest(str(out / "manifest.json"), json.dumps(manifest))
-    new = w["records"] if w else []
-    return ExtractReport(
-        out=str(out),
-        samples=len(new),
-        tokens=sum(r["length"] for r in new),
-        bytes=sum(r["bytes"] for r in new),
-        seconds=seconds,
-        layer_ids=list(manifest["layer_ids"]),
-        convention=manifest["convention"],
-        dtype=manifest["dtype"],
-        shims=shims,
-        device_path=(w or {}).get("device_path", "none"),
-        traced_calls=(w or {}).get("traced_calls"),
-        resumed=len(done),
-        format=fmt.name,
-        shard=opts.shard,
-        skipped=len(skipped),
-        compressed=bool(opts.compress),
-        checks=checks
-        + [
-            f"manifest: {len(records)} samples, every row {'of shard ' + opts.shard + ' ' if opts.shard else ''}"
-            f"has its file{f' or is listed as skipped ({len(skipped)})' if skipped else ''}; run "
-            "`hscapture verify` to re-read every file"
-        ],
-    )
 
 
 def quiet_vllm() -> None:

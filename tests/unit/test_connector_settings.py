@@ -4,7 +4,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from hscapture import ConfigError, connector
+from hscapture import ConfigError, requested
 from hscapture.config import from_sources
 
 
@@ -13,14 +13,14 @@ def vc(extra, name="HscaptureConnector"):
 
 
 def test_the_issue_s_spelling_and_the_shorter_ones():
-    assert connector.settings(vc({"shared_storage_path": "/d", "format": "file"})) == {
+    assert requested.settings(vc({"shared_storage_path": "/d", "format": "file"})) == {
         "out": "/d",
         "format": "hscapture",
     }
-    s = connector.settings(vc({"shared_storage_path": "/d", "format": "fp8", "layers": [2, 4], "convention": "before"}))
+    s = requested.settings(vc({"shared_storage_path": "/d", "format": "fp8", "layers": [2, 4], "convention": "before"}))
     assert s == {"out": "/d", "format": "fp8", "layers": [2, 4], "convention": "before"}
-    assert connector.settings(vc({"shared_storage_path": "/d"}, name="OtherConnector")) is None
-    assert connector.settings(NS(kv_transfer_config=None)) is None
+    assert requested.settings(vc({"shared_storage_path": "/d"}, name="OtherConnector")) is None
+    assert requested.settings(NS(kv_transfer_config=None)) is None
 
 
 @pytest.mark.parametrize(
@@ -40,7 +40,7 @@ def test_the_issue_s_spelling_and_the_shorter_ones():
 )
 def test_bad_extra_config_is_refused_naming_the_key(extra, match):
     with pytest.raises(ConfigError, match=match):
-        connector.settings(vc(extra))
+        requested.settings(vc(extra))
 
 
 def test_merged_with_additional_config_and_conflicts_refused():
@@ -57,10 +57,10 @@ def test_merged_with_additional_config_and_conflicts_refused():
 
 
 def test_mooncake_takes_speculators_store_block_and_writes_no_files():
-    s = connector.settings(vc({"format": "mooncake", "mooncake": {"master_server_address": "10.0.0.2:50051"}}))
+    s = requested.settings(vc({"format": "mooncake", "mooncake": {"master_server_address": "10.0.0.2:50051"}}))
     assert set(s) == {"mooncake"} and s["mooncake"]["master_server_address"] == "10.0.0.2:50051"
     assert s["mooncake"]["global_segment_size"] == 4 << 30 and s["mooncake"]["protocol"] == "tcp"
-    s = connector.settings(vc({"format": "mooncake", "mooncake": {"num_writer_threads": 2}, "layers": [2]}))
+    s = requested.settings(vc({"format": "mooncake", "mooncake": {"num_writer_threads": 2}, "layers": [2]}))
     assert s["writer_threads"] == 2 and s["layers"] == [2]
     c = from_sources({"hscapture": {"layers": [1, 2], "convention": "before"}}, s | {"layers": [1, 2]})
     assert (c.out, c.staging, c.writer_threads, c.mooncake["num_writer_threads"]) == (None, False, 2, 2)

@@ -20,7 +20,7 @@ from . import _native, formats, vllm_compat
 from .config import CaptureConfig
 from .errors import CompatibilityError, HscaptureError
 from .ranksync import RankSync, unexpected
-from .rpc import RpcState
+from .rpc_state import RpcState
 
 log = logging.getLogger("hscapture")
 

@@ -184,7 +184,7 @@ def _coerce(key: str, value: Any, where: str):
 
 def from_sources(additional_config: dict | None, connector: dict | None = None) -> CaptureConfig | None:
     """Merges ``additional_config["hscapture"]``, ``HSCAPTURE_*`` and the KV connector's settings
-    (``connector.settings``: its output directory, format and shorter spellings); None when none names layers."""
+    (``requested.settings``: its output directory, format and shorter spellings); None when none names layers."""
     envs.check_unknown()
     section = (additional_config or {}).get("hscapture")
     if section is not None and not isinstance(section, dict):

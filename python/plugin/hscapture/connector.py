@@ -34,61 +34,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from . import _native, formats
+from . import _native
+from .errors import ConfigError
+from .requested import capture_config, settings
 from .vllm_compat import include_output_tokens
-
-NAME = "HscaptureConnector"
-# Every name (and alias) of a format served as per-request files, and the object store's (the core's facts).
-FORMATS = {
-    **{n: f.name for f in formats.FORMATS.values() if f.per_request_files for n in (f.name, *f.aliases)},
-    _native.STORE_FORMAT: _native.STORE_FORMAT,
-}
-# extra-config keys that are additional_config["hscapture"] settings too (the shorter spelling)
-SETTINGS = ("layers", "convention", "dtype")
-KEYS = {"shared_storage_path", "format", "mooncake", *SETTINGS}
-
-
-def settings(vllm_config: Any) -> dict | None:
-    """The connector's settings of ``vllm_config`` (None unless this connector is configured), checked."""
-    from .errors import ConfigError
-
-    kv = getattr(vllm_config, "kv_transfer_config", None)
-    if kv is None or getattr(kv, "kv_connector", None) != NAME:
-        return None
-    extra = dict(getattr(kv, "kv_connector_extra_config", None) or {})
-    where = 'kv_transfer_config["kv_connector_extra_config"]'
-    unknown = set(extra) - KEYS
-    if unknown:
-        raise ConfigError(f"{where} has unknown keys {sorted(unknown)}; {NAME} takes {sorted(KEYS)}")
-    fmt = extra.get("format", "file")
-    if fmt not in FORMATS:
-        raise ConfigError(
-            f'{where}["format"] is {fmt!r}; expected "file" (the states as captured), "fp8" or "mooncake" (objects in a '
-            "Mooncake store, for online training)"
-        )
-    shorter = {k: extra[k] for k in SETTINGS if k in extra}
-    if FORMATS[fmt] == _native.STORE_FORMAT:
-        from . import mooncake
-
-        if "shared_storage_path" in extra:
-            raise ConfigError(
-                f'{where}["shared_storage_path"] is set with format "mooncake", which writes no files; remove it'
-            )
-        store = mooncake.settings(extra.get("mooncake"), f'{where}["mooncake"]')
-        if "num_writer_threads" in (extra.get("mooncake") or {}):  # speculators' name for the writer's threads
-            shorter["writer_threads"] = store["num_writer_threads"]
-        return {"mooncake": store, **shorter}
-    if "mooncake" in extra:
-        raise ConfigError(
-            f'{where}["mooncake"] is set, but the format is {fmt!r}; set "format": "mooncake" or remove it'
-        )
-    path = extra.get("shared_storage_path")
-    if not isinstance(path, str) or not path.strip():
-        raise ConfigError(
-            f'{where}["shared_storage_path"] is {path!r}; expected the directory the per-request files are written to '
-            "(a path the client sees too)"
-        )
-    return {"out": path, "format": FORMATS[fmt], **shorter}
 
 
 class HscaptureMetadata(KVConnectorMetadata):
@@ -111,14 +60,12 @@ class HscaptureConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         found = settings(vllm_config)
         if found is None:  # configured under another name: nothing this class can serve
-            from .errors import ConfigError
-
             raise ConfigError(f"{type(self).__name__} is configured as {vllm_config.kv_transfer_config.kv_connector!r}")
         self.out = found.get("out")
         self.packed: tuple[int, int, str] | None = None  # (layers, hidden size, dtype) of a mooncake object
         self.outputs: dict[str, list[int]] = {}  # finished requests with generated tokens, for the next step
         if role == KVConnectorRole.SCHEDULER:
-            from .early_check import capture_config, check
+            from .early_check import check
 
             check(vllm_config)  # the capture must be set up (a worker class that captures, valid settings)
             if "mooncake" in found:

@@ -15,23 +15,16 @@ import functools
 import logging
 from typing import Any
 
+from .errors import ConfigError
+from .requested import NAME, capture_config
+
 log = logging.getLogger("hscapture")
 
 _WRAPPED = "__hscapture_checked__"
 
 
-def capture_config(vllm_config: Any):
-    """The capture ``vllm_config`` asks for (``additional_config``, ``HSCAPTURE_*``, the KV connector), or None."""
-    from . import connector
-    from .config import from_sources
-
-    return from_sources(getattr(vllm_config, "additional_config", None), connector.settings(vllm_config))
-
-
 def check(vllm_config: Any) -> None:
     """Raises ``ConfigError`` for settings that a worker would refuse (or silently ignore)."""
-    from .errors import ConfigError
-
     cfg = capture_config(vllm_config)
     if cfg is None:
         return
@@ -64,12 +57,10 @@ def _captures(worker_cls: Any) -> bool:
 
 def asks_for_capture(engine_args: Any) -> bool:
     """Whether these engine arguments configure hscapture's capture (its settings, or its KV connector)."""
-    from . import connector
-
     extra = getattr(engine_args, "additional_config", None)
     kv = getattr(engine_args, "kv_transfer_config", None)
     kv_name = kv.get("kv_connector") if isinstance(kv, dict) else getattr(kv, "kv_connector", None)
-    return (isinstance(extra, dict) and "hscapture" in extra) or kv_name == connector.NAME
+    return (isinstance(extra, dict) and "hscapture" in extra) or kv_name == NAME
 
 
 def prefix_caching_off(engine_args: Any) -> None:

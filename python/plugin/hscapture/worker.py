@@ -13,9 +13,9 @@ from typing import Any
 
 from . import vllm_compat
 from .capture import WorkerCapture, run_step
-from .early_check import capture_config
 from .errors import HscaptureError
 from .failures import record_failure
+from .requested import capture_config
 from .rpc import HiddenStatesRPC
 
 _Base: type = vllm_compat.resolve_qualname(vllm_compat.platform_worker_qualname())

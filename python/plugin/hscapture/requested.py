@@ -1,0 +1,67 @@
+"""What a vLLM configuration asks of hscapture: its KV connector's settings (``kv_transfer_config``, read without
+importing vLLM's connector classes) and the capture they and ``additional_config["hscapture"]`` make together.
+Read by the connector, the early check in the caller's process and the workers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _native, formats
+from .config import from_sources
+from .errors import ConfigError
+
+NAME = "HscaptureConnector"
+# Every name (and alias) of a format served as per-request files, and the object store's (the core's facts).
+FORMATS = {
+    **{n: f.name for f in formats.FORMATS.values() if f.per_request_files for n in (f.name, *f.aliases)},
+    _native.STORE_FORMAT: _native.STORE_FORMAT,
+}
+# extra-config keys that are additional_config["hscapture"] settings too (the shorter spelling)
+SETTINGS = ("layers", "convention", "dtype")
+KEYS = {"shared_storage_path", "format", "mooncake", *SETTINGS}
+
+
+def settings(vllm_config: Any) -> dict | None:
+    """The connector's settings of ``vllm_config`` (None unless this connector is configured), checked."""
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    if kv is None or getattr(kv, "kv_connector", None) != NAME:
+        return None
+    extra = dict(getattr(kv, "kv_connector_extra_config", None) or {})
+    where = 'kv_transfer_config["kv_connector_extra_config"]'
+    unknown = set(extra) - KEYS
+    if unknown:
+        raise ConfigError(f"{where} has unknown keys {sorted(unknown)}; {NAME} takes {sorted(KEYS)}")
+    fmt = extra.get("format", "file")
+    if fmt not in FORMATS:
+        raise ConfigError(
+            f'{where}["format"] is {fmt!r}; expected "file" (the states as captured), "fp8" or "mooncake" (objects in a '
+            "Mooncake store, for online training)"
+        )
+    shorter = {k: extra[k] for k in SETTINGS if k in extra}
+    if FORMATS[fmt] == _native.STORE_FORMAT:
+        from . import mooncake
+
+        if "shared_storage_path" in extra:
+            raise ConfigError(
+                f'{where}["shared_storage_path"] is set with format "mooncake", which writes no files; remove it'
+            )
+        store = mooncake.settings(extra.get("mooncake"), f'{where}["mooncake"]')
+        if "num_writer_threads" in (extra.get("mooncake") or {}):  # speculators' name for the writer's threads
+            shorter["writer_threads"] = store["num_writer_threads"]
+        return {"mooncake": store, **shorter}
+    if "mooncake" in extra:
+        raise ConfigError(
+            f'{where}["mooncake"] is set, but the format is {fmt!r}; set "format": "mooncake" or remove it'
+        )
+    path = extra.get("shared_storage_path")
+    if not isinstance(path, str) or not path.strip():
+        raise ConfigError(
+            f'{where}["shared_storage_path"] is {path!r}; expected the directory the per-request files are written to '
+            "(a path the client sees too)"
+        )
+    return {"out": path, "format": FORMATS[fmt], **shorter}
+
+
+def capture_config(vllm_config: Any):
+    """The capture ``vllm_config`` asks for (``additional_config``, ``HSCAPTURE_*``, the KV connector), or None."""
+    return from_sources(getattr(vllm_config, "additional_config", None), settings(vllm_config))

@@ -1,0 +1,103 @@
+"""The Python package has no import circle, not even through an import inside a function: every module's imports of
+the package's own modules (top-level or deferred) form an acyclic graph. A circle broken only by deferring an import
+is a design knot (two modules that each need the other), and it breaks as soon as someone moves the import up."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import hscapture
+
+
+def modules(root: Path, package: str) -> dict[str, Path]:
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join([package, *parts])] = path
+    return found
+
+
+def imports(name: str, path: Path, known: set[str], package: str) -> set[str]:
+    """The package's modules that ``name`` imports anywhere in its body (a name imported from a package that is
+    itself a module counts as that module)."""
+    is_package = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            candidates = [f"{target}.{a.name}" for a in node.names] or [target]
+            candidates = [c if c in known else target for c in candidates]
+        elif isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        else:
+            continue
+        for c in candidates:
+            if not (c == package or c.startswith(package + ".")):
+                continue
+            while c not in known and "." in c:
+                c = c.rsplit(".", 1)[0]
+            if c in known and c != name and not name.startswith(c + "."):  # a submodule's parent package runs first
+                out.add(c)
+    return out
+
+
+def circles(root: Path, package: str) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    mods = modules(root, package)
+    graph = {m: imports(m, p, set(mods), package) for m, p in mods.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for m in graph:
+        if m not in index:
+            visit(m)
+    return found
+
+
+def test_the_package_has_no_import_circle():
+    root = Path(hscapture.__file__).parent
+    assert len(modules(root, "hscapture")) > 20
+    assert circles(root, "hscapture") == []
+
+
+def test_a_circle_through_a_deferred_import_is_found(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..a import x\n")
+    (pkg / "c.py").write_text("from . import a\n")
+    assert circles(pkg, "pkg") == [["pkg.a", "pkg.sub.b"]]

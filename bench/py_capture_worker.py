@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from hscapture import vllm_compat
+from hscapture.adapters import vllm_compat
 
 _Base = vllm_compat.resolve_qualname(vllm_compat.platform_worker_qualname())
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hscapture import NonFiniteError, _native
-from hscapture.cuda_libs import preload_nvrtc
-from hscapture.vllm_compat import step_args
+from hscapture.adapters.vllm_compat import step_args
+from hscapture.capture.cuda_libs import preload_nvrtc
 
 pytestmark = pytest.mark.gpu
 H = 1000  # not a multiple of the block size: exercises the strided tail

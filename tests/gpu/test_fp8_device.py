@@ -13,7 +13,7 @@ import torch
 from test_device_path import H, make_steps, run
 
 from hscapture import _native
-from hscapture.cuda_libs import preload_nvrtc
+from hscapture.capture.cuda_libs import preload_nvrtc
 
 pytestmark = pytest.mark.gpu
 

@@ -4,7 +4,7 @@ Test-only; imported by vLLM's worker processes through PYTHONPATH (see conftest.
 import os
 import sys
 
-from hscapture.capture import WorkerCapture
+from hscapture.capture.worker_capture import WorkerCapture
 from hscapture.worker import CaptureWorker
 
 _TRACE = os.environ.get("HSCAPTURE_TEST_TRACE") == "1"  # prints what the perturbed rank captured and checked
@@ -52,7 +52,7 @@ class _NaNInSample1(WorkerCapture):
     """Puts a NaN into the rows of the request carrying sample index 1, in every step it is scheduled."""
 
     def begin(self, scheduler_output):
-        from hscapture.vllm_compat import sample_index
+        from hscapture.adapters.vllm_compat import sample_index
 
         super().begin(scheduler_output)
         for r in scheduler_output.scheduled_new_reqs:
@@ -78,7 +78,7 @@ class _Sample3DiffersOnRank1(_NaNInSample1):
     schedules it (under max_num_seqs=1 with a one-step prompt, the step that also completes it)."""
 
     def begin(self, scheduler_output):
-        from hscapture.vllm_compat import sample_index
+        from hscapture.adapters.vllm_compat import sample_index
 
         WorkerCapture.begin(self, scheduler_output)
         for r in scheduler_output.scheduled_new_reqs:

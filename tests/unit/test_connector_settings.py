@@ -4,7 +4,8 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from hscapture import ConfigError, requested
+from hscapture import ConfigError
+from hscapture.adapters import requested
 from hscapture.config import from_sources
 
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from hscapture import cuda_libs, wiring
+from hscapture.capture import cuda_libs, wiring
 from hscapture.config import CaptureConfig
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hscapture import CompatibilityError
-from hscapture.hooks import find_decoder_layers, install
+from hscapture.capture.hooks import find_decoder_layers, install
 
 
 class Layer(torch.nn.Module):

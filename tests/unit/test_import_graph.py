@@ -1,6 +1,9 @@
-"""The Python package has no import circle, not even through an import inside a function: every module's imports of
-the package's own modules (top-level or deferred) form an acyclic graph. A circle broken only by deferring an import
-is a design knot (two modules that each need the other), and it breaks as soon as someone moves the import up."""
+"""The Python package's imports, read from its source (deferred imports too, which only some paths run: the CUDA
+path, pipeline stages, the object store):
+- no import circle: a circle broken only by deferring an import is a design knot (two modules that each need the
+  other), and it breaks as soon as someone moves the import up;
+- every import of the package's own modules names a module that exists and a name that module defines, so that a
+  moved module cannot leave an import behind on a path the CPU tests never run."""
 
 from __future__ import annotations
 
@@ -84,6 +87,65 @@ def circles(root: Path, package: str) -> list[list[str]]:
         if m not in index:
             visit(m)
     return found
+
+
+def defined(path: Path) -> set[str]:
+    """The names a module binds at its top level."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def unresolved(root: Path, package: str, native: object) -> list[str]:
+    """`module: from X import name` for each import of the package's own modules that names nothing."""
+    mods = modules(root, package)
+    bad = []
+    for name, path in mods.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not (target == package or target.startswith(package + ".")):
+                continue
+            for a in node.names:
+                if f"{target}.{a.name}" in mods or a.name == "*":
+                    continue
+                if target == f"{package}._native":
+                    ok = hasattr(native, a.name)
+                elif target == package and a.name == "_native":
+                    ok = True
+                else:
+                    ok = target in mods and a.name in defined(mods[target])
+                if not ok:
+                    bad.append(f"{name}: from {target} import {a.name}")
+    return bad
+
+
+def test_every_import_of_the_package_resolves():
+    root = Path(hscapture.__file__).parent
+    assert unresolved(root, "hscapture", hscapture._native) == []
+
+
+def test_a_moved_module_left_behind_is_found(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("X = 1\ndef f():\n    from .gone import y\n    from .a import Z\n")
+    assert unresolved(pkg, "pkg", object()) == ["pkg.a: from pkg.gone import y", "pkg.a: from pkg.a import Z"]
 
 
 def test_the_package_has_no_import_circle():

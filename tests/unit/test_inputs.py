@@ -174,10 +174,10 @@ def test_one_run_per_output_directory(tmp_path):
     import sys
 
     from hscapture import OutputError
-    from hscapture.outlock import OutputLock
+    from hscapture.output.outlock import OutputLock
 
     probe = (
-        "import sys\nfrom hscapture.outlock import OutputLock\nfrom hscapture import OutputError\n"
+        "import sys\nfrom hscapture.output.outlock import OutputLock\nfrom hscapture import OutputError\n"
         "try:\n    OutputLock(sys.argv[1]).acquire()\nexcept OutputError as e:\n    print('REFUSED', e)\n"
     )
     with OutputLock(tmp_path):
@@ -239,7 +239,7 @@ def test_model_configs_are_read_with_their_own_names(tmp_path):
 
 
 def test_output_paths_that_cannot_be_directories_are_typed_errors(tmp_path):
-    from hscapture.outlock import OutputLock
+    from hscapture.output.outlock import OutputLock
 
     f = tmp_path / "file"
     f.write_text("x")
@@ -259,7 +259,7 @@ def test_output_paths_that_cannot_be_directories_are_typed_errors(tmp_path):
 
 
 def test_a_refused_run_leaves_no_lock_behind(tmp_path):
-    from hscapture.outlock import OutputLock
+    from hscapture.output.outlock import OutputLock
 
     out = tmp_path / "new"
     with OutputLock(out):

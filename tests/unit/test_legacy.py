@@ -12,8 +12,9 @@ import pytest
 import torch
 from test_session import sched
 
-from hscapture import _native, formats, load_sample
-from hscapture.vllm_compat import LOSS_MASK_KEY, SAMPLE_KEY, step_args
+from hscapture import _native, load_sample
+from hscapture.adapters.vllm_compat import LOSS_MASK_KEY, SAMPLE_KEY, step_args
+from hscapture.output import formats
 
 H, N = 16, 3
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]

@@ -13,7 +13,8 @@ import pytest
 import torch
 from test_session import H, new_req, rows_tagged, run, sched
 
-from hscapture import ConfigError, OutputError, _native, mooncake
+from hscapture import ConfigError, OutputError, _native
+from hscapture.output import mooncake
 from hscapture.testing import mooncake_master as mm
 
 pytestmark = pytest.mark.skipif(mm.available() is not None, reason=str(mm.available()))

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from hscapture import CompatibilityError, PeerFailedError
-from hscapture.ranksync import RankSync, path_code
+from hscapture.capture.ranksync import RankSync, path_code
 
 
 class PeersTP:

@@ -12,7 +12,8 @@ import torch
 from test_rpc import Worker
 from test_session import H, new_req, rows_tagged, sched
 
-from hscapture import HscaptureError, OutputError, RankMismatchError, ShapeContractError, failures
+from hscapture import HscaptureError, OutputError, RankMismatchError, ShapeContractError
+from hscapture.output import failures
 
 
 class Exchange:
@@ -284,7 +285,7 @@ def test_a_rank_mismatch_leaves_no_step_half_begun():
 def _gloo_rank(rank: int, path: str, q) -> None:
     import torch.distributed as dist
 
-    from hscapture.vllm_compat import TPGroup
+    from hscapture.adapters.vllm_compat import TPGroup
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
     tp = object.__new__(TPGroup)

@@ -9,11 +9,11 @@ import torch
 from test_session import H, new_req, rows_tagged, sched
 
 from hscapture import AttributionError, ConfigError, ShapeContractError, _native
-from hscapture.capture import WorkerCapture
+from hscapture.adapters.vllm_compat import RunnerOrder
+from hscapture.capture.ranksync import RankSync
+from hscapture.capture.worker_capture import WorkerCapture
 from hscapture.config import CaptureConfig
-from hscapture.ranksync import RankSync
 from hscapture.rpc import HiddenStatesRPC
-from hscapture.vllm_compat import RunnerOrder
 
 
 class Runner:

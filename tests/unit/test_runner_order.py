@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hscapture import AttributionError, CompatibilityError
-from hscapture.vllm_compat import RunnerOrder
+from hscapture.adapters.vllm_compat import RunnerOrder
 
 
 class V2Runner:

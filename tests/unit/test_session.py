@@ -19,7 +19,7 @@ from hscapture import (
     load_manifest,
     load_sample,
 )
-from hscapture.vllm_compat import SAMPLE_KEY, step_args
+from hscapture.adapters.vllm_compat import SAMPLE_KEY, step_args
 
 H = 8
 
@@ -204,7 +204,7 @@ def test_real_vllm_scheduler_output_shape():
 
 
 def test_worker_errors_cross_to_the_driver_typed(tmp_path):
-    from hscapture import failures
+    from hscapture.output import failures
 
     failures.raise_recorded(tmp_path, RuntimeError("engine died"))  # nothing recorded: returns
     failures.record_failure(str(tmp_path), 1, RankMismatchError("late"))
@@ -283,7 +283,7 @@ def test_background_samples_in_memory_are_all_there_when_taken():
 
 
 def test_assembly_mode_and_ring_come_from_the_environment(monkeypatch):
-    from hscapture.wiring import assembly_ring as _assembly_ring
+    from hscapture.capture.wiring import assembly_ring as _assembly_ring
 
     assert _assembly_ring() == 2
     monkeypatch.setenv("HSCAPTURE_HOST_RING", "4")

@@ -147,8 +147,8 @@ def test_merge_checks_file_sizes_against_the_manifest(tmp_path):
 def test_merge_legacy_shards(tmp_path):
     from types import SimpleNamespace
 
-    from hscapture import formats
-    from hscapture.vllm_compat import SAMPLE_KEY, step_args
+    from hscapture.adapters.vllm_compat import SAMPLE_KEY, step_args
+    from hscapture.output import formats
 
     dirs = []
     for k in (0, 1):

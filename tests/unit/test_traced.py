@@ -9,9 +9,10 @@ import pytest
 import torch
 from test_hooks import Model
 
-from hscapture import CompatibilityError, traced
-from hscapture.hooks import install, install_positions_probe
-from hscapture.vllm_compat import compiled
+from hscapture import CompatibilityError
+from hscapture.adapters.vllm_compat import compiled
+from hscapture.capture import traced
+from hscapture.capture.hooks import install, install_positions_probe
 
 POINTS = [("layer_output", 0), ("embeddings", 0), ("layer_output", 2)]
 

@@ -6,6 +6,6 @@ The worker class for vLLM is ``hscapture.worker.CaptureWorker`` (imported lazily
 from . import errors
 from ._native import __version__
 from .errors import *  # noqa: F401,F403  (the exception tree)
-from .io import load_manifest, load_sample
+from .output.io import load_manifest, load_sample
 
 __all__ = ["__version__", *errors.__all__, "load_sample", "load_manifest"]

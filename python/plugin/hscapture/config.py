@@ -10,8 +10,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _native, envs, formats
+from . import _native, envs
 from .errors import ConfigError
+from .output import formats
 
 _KEYS = envs.SETTINGS  # additional_config key -> its environment variable
 _EXTRA_KEYS = {"model_name"}

@@ -35,9 +35,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from . import _native
+from .adapters.requested import capture_config, settings
+from .adapters.vllm_compat import include_output_tokens
 from .errors import ConfigError
-from .requested import capture_config, settings
-from .vllm_compat import include_output_tokens
 
 
 class HscaptureMetadata(KVConnectorMetadata):
@@ -65,11 +65,11 @@ class HscaptureConnector(KVConnectorBase_V1):
         self.packed: tuple[int, int, str] | None = None  # (layers, hidden size, dtype) of a mooncake object
         self.outputs: dict[str, list[int]] = {}  # finished requests with generated tokens, for the next step
         if role == KVConnectorRole.SCHEDULER:
-            from .early_check import check
+            from .adapters.early_check import check
 
             check(vllm_config)  # the capture must be set up (a worker class that captures, valid settings)
             if "mooncake" in found:
-                from .wiring import model_facts
+                from .capture.wiring import model_facts
 
                 cfg = capture_config(vllm_config)
                 n_layers, hidden, model_dtype, _ = model_facts(vllm_config)

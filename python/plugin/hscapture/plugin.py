@@ -53,7 +53,7 @@ def shim_generator() -> list[str]:
 
 
 def register() -> None:
-    from . import early_check
+    from .adapters import early_check
     from .lifetime import die_with_parent
 
     die_with_parent()

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import vllm_compat
-from .capture import WorkerCapture, run_step
+from .adapters import vllm_compat
+from .capture.worker_capture import WorkerCapture, run_step
 from .config import CaptureConfig
 from .errors import AttributionError, CompatibilityError, ConfigError
 

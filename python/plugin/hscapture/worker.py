@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import vllm_compat
-from .capture import WorkerCapture, run_step
+from .adapters import vllm_compat
+from .adapters.requested import capture_config
+from .capture.worker_capture import WorkerCapture, run_step
 from .errors import HscaptureError
-from .failures import record_failure
-from .requested import capture_config
+from .output.failures import record_failure
 from .rpc import HiddenStatesRPC
 
 _Base: type = vllm_compat.resolve_qualname(vllm_compat.platform_worker_qualname())

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from .. import envs
-from ..io import load_sample
+from ..output.io import load_sample
 from ..testing import tiny
 from ..testing.compare import compare
 from .extract import ExtractOptions, run_extract

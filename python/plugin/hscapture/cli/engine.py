@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from ..vllm_compat import SAMPLE_KEY
+from ..adapters.vllm_compat import SAMPLE_KEY
 
 PREFIX = "hs-"
 

@@ -16,12 +16,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import _native, failures, formats, lifetime, runtime_env
+from .. import _native, lifetime, runtime_env
+from ..adapters.vllm_compat import LOSS_MASK_KEY, SAMPLE_KEY
 from ..config import CaptureConfig, default_writer_threads
 from ..errors import CompatibilityError, ConfigError, OutputError
-from ..outlock import OutputLock
+from ..output import failures, formats
+from ..output.outlock import OutputLock
 from ..patches import apply_driver_shims
-from ..vllm_compat import LOSS_MASK_KEY, SAMPLE_KEY
 from . import outdir
 from .engine import drive
 from .inputs import as_prompt_set, check_prompts, has_tokenizer, model_field, read_model_config

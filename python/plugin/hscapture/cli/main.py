@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .. import _native
 from ..errors import HscaptureError
-from ..formats import FORMATS
+from ..output.formats import FORMATS
 
 
 def _ids(s: str) -> list[int]:

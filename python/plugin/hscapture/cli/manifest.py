@@ -7,7 +7,7 @@ import json
 
 from .. import _native
 from ..errors import OutputError
-from ..formats import RunInfo
+from ..output.formats import RunInfo
 from .report import ExtractReport
 from .run import Run
 

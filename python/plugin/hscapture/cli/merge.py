@@ -15,9 +15,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import _native, formats
+from .. import _native
 from ..errors import ConfigError, OutputError
-from ..outlock import OutputLock
+from ..output import formats
+from ..output.outlock import OutputLock
 from .shard import ShardInfo
 
 SETTINGS = ("layer_ids", "convention", "dtype", "hidden_size", "num_hidden_layers", "tensor_parallel_size")

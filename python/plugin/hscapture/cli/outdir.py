@@ -33,7 +33,7 @@ def _entries(out: Path, fmt) -> list[Path]:
 
 
 def holds_capture(out: Path) -> bool:
-    from .. import formats
+    from ..output import formats
 
     return (
         (out / "manifest.json").exists()
@@ -44,7 +44,7 @@ def holds_capture(out: Path) -> bool:
 
 def prepare(out: Path, overwrite: bool, resume: bool = False, fmt=None) -> Path | None:
     """Checks OUT for this run; returns where an overwritten capture was moved (see ``restore``/``discard``)."""
-    from .. import formats
+    from ..output import formats
 
     fmt = fmt or formats.get("hscapture")
     if overwrite and resume:

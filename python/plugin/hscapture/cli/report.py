@@ -129,7 +129,7 @@ class ExtractReport:
 
     @property
     def where(self) -> str:
-        from ..formats import get
+        from ..output.formats import get
 
         fmt = get(self.format)
         return f"{self.out}/{fmt.file_pattern}" + "".join(f" + {d}" for d in fmt.documents) + " + manifest.json"

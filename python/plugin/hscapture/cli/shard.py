@@ -49,7 +49,7 @@ class ShardInfo:
     format: str  # hscapture | legacy
 
     def write(self, out: Path) -> None:
-        from ..formats import write_json
+        from ..output.formats import write_json
 
         write_json(out / FILE, asdict(self))
 

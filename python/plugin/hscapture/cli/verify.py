@@ -9,7 +9,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .. import _native, formats, load_sample
+from .. import _native, load_sample
+from ..output import formats
 
 # Worst relative error against the float32 reference that each dtype's rounding (and a model computed in it) leaves.
 TOLERANCE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 3e-2}

@@ -9,9 +9,11 @@ from typing import Any
 
 import torch
 
-from . import _native, envs, hooks, vllm_compat
-from .config import CaptureConfig
-from .errors import ConfigError, HscaptureError
+from .. import _native, envs
+from ..adapters import vllm_compat
+from ..config import CaptureConfig
+from ..errors import ConfigError, HscaptureError
+from . import hooks
 from .ranksync import RankSync
 
 log = logging.getLogger("hscapture")
@@ -58,7 +60,7 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
     out_dtype = model_dtype if cfg.dtype == "auto" else cfg.dtype
     store = None
     if cfg.mooncake is not None and writer:
-        from .mooncake import Store
+        from ..output.mooncake import Store
 
         store = Store(cfg.mooncake).open()
     session = _native.CaptureSession(

@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import envs
-from .errors import CompatibilityError
+from .. import envs
+from ..errors import CompatibilityError
 
 log = logging.getLogger("hscapture")
 _warned_single_phase = False
@@ -186,7 +186,7 @@ class RunnerOrder:
                 "— run with VLLM_USE_V2_MODEL_RUNNER=0"
             )
         if scheduled is not None and dict(zip(ids, counts, strict=True)) != {k: int(v) for k, v in scheduled.items()}:
-            from .errors import AttributionError
+            from ..errors import AttributionError
 
             raise AttributionError(
                 f"Model Runner V2's batch for this step ({dict(list(zip(ids, counts, strict=True))[:6])}) does not hold the tokens the "

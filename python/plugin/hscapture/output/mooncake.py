@@ -15,7 +15,7 @@ import os
 import time
 from typing import Any
 
-from .errors import ConfigError, OutputError
+from ..errors import ConfigError, OutputError
 
 DEFAULTS: dict[str, Any] = {
     "local_hostname": "localhost",

@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 
-from . import _native, formats, vllm_compat
-from .config import CaptureConfig
-from .errors import CompatibilityError, HscaptureError
+from .. import _native
+from ..adapters import vllm_compat
+from ..config import CaptureConfig
+from ..errors import CompatibilityError, HscaptureError
+from ..output import formats
 from .ranksync import RankSync, unexpected
 from .rpc_state import RpcState
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import AttributionError, ShapeContractError
+from ..errors import AttributionError, ShapeContractError
 
 
 def _split_layers(d: dict) -> list:

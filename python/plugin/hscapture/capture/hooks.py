@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .errors import CompatibilityError, ShapeContractError
+from ..errors import CompatibilityError, ShapeContractError
 
 Capture = Callable[[int, torch.Tensor, "torch.Tensor | None"], None]
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from .errors import CompatibilityError
+from ..errors import CompatibilityError
 
 _ACTIVE: tuple[Callable, Callable] | None = None
 _DEFINED = False

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _native, formats
-from .config import from_sources
-from .errors import ConfigError
+from .. import _native
+from ..config import from_sources
+from ..errors import ConfigError
+from ..output import formats
 
 NAME = "HscaptureConnector"
 # Every name (and alias) of a format served as per-request files, and the object store's (the core's facts).
@@ -39,7 +40,7 @@ def settings(vllm_config: Any) -> dict | None:
         )
     shorter = {k: extra[k] for k in SETTINGS if k in extra}
     if FORMATS[fmt] == _native.STORE_FORMAT:
-        from . import mooncake
+        from ..output import mooncake
 
         if "shared_storage_path" in extra:
             raise ConfigError(

@@ -15,7 +15,7 @@ import functools
 import logging
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .requested import NAME, capture_config
 
 log = logging.getLogger("hscapture")
@@ -50,7 +50,7 @@ def _captures(worker_cls: Any) -> bool:
             worker_cls = resolve_qualname(worker_cls)
         except Exception:  # noqa: BLE001 - a class this process cannot import: the workers will tell
             return True
-    from .worker import CaptureWorker
+    from ..worker import CaptureWorker
 
     return isinstance(worker_cls, type) and issubclass(worker_cls, CaptureWorker)
 
@@ -66,7 +66,7 @@ def asks_for_capture(engine_args: Any) -> bool:
 def prefix_caching_off(engine_args: Any) -> None:
     """A prompt prefix served from vLLM's prefix cache is never computed, so its states cannot be captured: under
     hscapture prefix caching is off unless asked for (then refused), with one log line saying so."""
-    from .errors import ConfigError
+    from ..errors import ConfigError
 
     if not asks_for_capture(engine_args) or not hasattr(engine_args, "enable_prefix_caching"):
         return

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import _native
+from .. import _native
 
 
 def load_manifest(out_dir: str | Path) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import _native, errors
+from .. import _native, errors
 
 DIR = ".hscapture-errors"
 

@@ -13,8 +13,8 @@ import os
 import time
 from pathlib import Path
 
-from . import _native
-from .errors import OutputError
+from .. import _native
+from ..errors import OutputError
 
 NAME = ".hscapture.lock"
 WRITER = _native.WRITER_LOCK  # the core's writer lock (output/dirlock.rs)

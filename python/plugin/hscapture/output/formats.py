@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import _native
+from .. import _native
 
 
 def write_json(path: Path, value, durable: bool = True) -> None:

@@ -27,9 +27,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import failures
-from ._native import CaptureSession
-from .errors import CompatibilityError, HscaptureError, PeerFailedError, RankMismatchError
+from .._native import CaptureSession
+from ..errors import CompatibilityError, HscaptureError, PeerFailedError, RankMismatchError
+from ..output import failures
 
 _M = (1 << 64) - 1
 

@@ -36,8 +36,8 @@ def test_fp8_is_quantized_on_the_device_only_by_the_rank_writing_fp8_files(monke
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(cuda_libs, "preload_nvrtc", lambda: None)
     cfg = CaptureConfig(layers=(1, 2), convention="after", out=out, format=fmt)
-    cap = NS(session=Session(), writer_rank=writer, cfg=cfg, overlap=False)
+    session = Session()
     vc = NS(device_config=NS(device_type="cuda"), scheduler_config=NS(max_num_batched_tokens=64))
-    assert wiring.enable_device(cap, vc) == "device"
-    assert cap.session.calls[0][1] == 64 and cap.session.calls[0][4] is fp8
-    assert cap.fp8_on_device is fp8
+    path = wiring.enable_device(session, cfg, writer, vc)
+    assert (path.kind, path.fp8) == ("device", fp8)
+    assert session.calls[0][1] == 64 and session.calls[0][4] is fp8

@@ -5,6 +5,7 @@ hooks (eager, or traced into vLLM's torch.compile graph). Nothing here runs per 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -94,29 +95,48 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
     if writer and ring:
         session.set_background(ring)
     sync = RankSync(tp, int(getattr(worker, "rank", 0)), cfg.out)
-    order = vllm_compat.RunnerOrder(worker.model_runner)
-    cap = cls(
-        cfg, session, sync, order, writer=writer, num_hidden_layers=n_layers, hidden_size=hidden, out_dtype=out_dtype
-    )
-    cap.model_dtype = model_dtype
     name, layers = hooks.find_decoder_layers(worker.get_model(), n_layers)
-    points = cap.capture_points()
-    local = [slot for slot, (_kind, k) in enumerate(points) if not hooks.is_missing(layers[k])]
+    points = session.capture_points()
+    link = None
     if pp_size > 1:
         from .pipeline import StageLink
 
-        cap.link = StageLink(session, pp_size, pp_rank, tp.rank, local, len(points))
+        local = [slot for slot, (_kind, k) in enumerate(points) if not hooks.is_missing(layers[k])]
+        link = StageLink(session, pp_size, pp_rank, tp.rank, local, len(points))
     failure: HscaptureError | None = None
     try:
-        cap.device_path = "host" if pp_size > 1 and torch.cuda.is_available() else enable_device(cap, vc)
+        path = (
+            DevicePath("host") if pp_size > 1 and torch.cuda.is_available() else enable_device(session, cfg, writer, vc)
+        )
     except HscaptureError as e:  # reported after the ranks compared paths, so that none waits for this one
-        cap.device_path, failure = "failed", e
-    sync.agree_on_path(cap.device_path, cap.overlap, failure)
-    # A device step is collected when a later step runs; the step that reports a server's finished requests always
-    # comes, but an engine in the caller's process steps only inside `generate`: its last files would wait for the
-    # next call while their clients wait for them.
-    cap.settle_each_step = cfg.staging and cap.device_path == "device" and vllm_compat.engine_in_caller()
-    install_hooks(cap, vc, layers, points, compiled)
+        path, failure = DevicePath("failed"), e
+    sync.agree_on_path(path.kind, path.overlap, failure)
+    codes = None
+    if compiled:
+        try:
+            codes = trace_codes(vc, points)
+        except BaseException:
+            session.finish()  # nothing stays active (as install_hooks leaves it on failure)
+            raise
+    cap = cls(
+        cfg,
+        session,
+        sync,
+        vllm_compat.RunnerOrder(worker.model_runner),
+        writer=writer,
+        link=link,
+        num_hidden_layers=n_layers,
+        hidden_size=hidden,
+        out_dtype=out_dtype,
+        model_dtype=model_dtype,
+        path=path,
+        # A device step is collected when a later step runs; the step that reports a server's finished requests
+        # always comes, but an engine in the caller's process steps only inside `generate`: its last files would
+        # wait for the next call while their clients wait for them.
+        settle_each_step=cfg.staging and path.kind == "device" and vllm_compat.engine_in_caller(),
+        traced_points=codes,
+    )
+    install_hooks(cap, layers, points)
     log.info(
         "hscapture: capturing %s ids %s at %s (%d hooks%s), tp rank %d/%d, pp rank %d/%d, writer=%s",
         cfg.convention,
@@ -133,14 +153,24 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
     return cap
 
 
-def enable_device(cap: Any, vc: Any) -> str:
-    """The capture path for CUDA tensors: ``device`` (kernel + arena + async copies), ``host`` (copies in
-    the hook; slow, correct) or ``none`` (the model is not on CUDA)."""
+@dataclass(frozen=True)
+class DevicePath:
+    """How rows leave the GPU: ``device`` (kernel + arena + async copies; ``overlap``: a step collected while the
+    next runs; ``fp8``: quantized there), ``host`` (copies in the hook; slow, correct), ``none`` (the model is not
+    on CUDA) or ``failed`` (the device path was required and could not be set up)."""
+
+    kind: str = "none"
+    overlap: bool = False
+    fp8: bool = False
+
+
+def enable_device(session: Any, cfg: CaptureConfig, writer: bool, vc: Any) -> DevicePath:
+    """The capture path for CUDA tensors: the device path where it can be set up, else host copies."""
     if not torch.cuda.is_available() or getattr(vc.device_config, "device_type", "cuda") != "cuda":
-        return "none"
+        return DevicePath("none")
     mode = envs.get("HSCAPTURE_DEVICE_PATH")
     if mode == "off":
-        return "host"
+        return DevicePath("host")
     from .cuda_libs import preload_nvrtc
 
     preload_nvrtc()
@@ -148,48 +178,53 @@ def enable_device(cap: Any, vc: Any) -> str:
     overlap = bool(envs.get("HSCAPTURE_DEVICE_OVERLAP"))
     try:
         # The assembler's ring (ranks that only verify need one buffer), plus the step in flight.
-        ring = ((assembly_ring() if cap.session.background else 0) or 1) + int(overlap)
+        ring = ((assembly_ring() if session.background else 0) or 1) + int(overlap)
         # fp8 files from the device path: quantized on the GPU after each step's last layer (codes and scales cross
         # PCIe), on the rank that writes them.
-        fp8 = bool(cap.writer_rank and cap.cfg.format == "fp8" and cap.cfg.out and envs.get("HSCAPTURE_FP8_ON_DEVICE"))
-        arch = cap.session.enable_device(torch.cuda.current_device(), rows, ring, overlap, fp8)
-        cap.fp8_on_device = fp8
+        fp8 = bool(writer and cfg.format == "fp8" and cfg.out and envs.get("HSCAPTURE_FP8_ON_DEVICE"))
+        arch = session.enable_device(torch.cuda.current_device(), rows, ring, overlap, fp8)
     except HscaptureError as e:
         if mode == "required":
             raise
         log.warning("hscapture: the CUDA capture path is unavailable (%s); copying to the host in the hook", e)
-        return "host"
-    cap.overlap = overlap
+        return DevicePath("host")
     log.info(
         "hscapture: CUDA capture kernel built for %s; device arena %.1f MiB for %d rows; %d pinned host "
         "buffer(s), assembly %s, steps %s%s",
         arch,
-        cap.session.device_bytes / 2**20,
+        session.device_bytes / 2**20,
         rows,
         ring,
-        "on the assembler thread" if cap.session.background else "inline",
+        "on the assembler thread" if session.background else "inline",
         "overlapped" if overlap else "collected when the next begins",
         ", fp8 quantized on the device" if fp8 else "",
     )
-    return "device"
+    return DevicePath("device", overlap, fp8)
 
 
-def install_hooks(cap: Any, vc: Any, layers: Any, points: list, compiled: bool) -> None:
+def trace_codes(vc: Any, points: list) -> tuple[int, ...]:
+    """Under torch.compile, each slot's capture point as its tap carries it (traced.py); also put in the config
+    vLLM hashes for its compile cache, since settings given by environment variables alone would not be in it."""
+    from . import traced
+
+    traced.ensure_ops()
+    codes = tuple(traced.point_code(kind, k) for kind, k in points)
+    if isinstance(getattr(vc, "additional_config", None), dict):
+        vc.additional_config["hscapture_traced_points"] = list(codes)
+    return codes
+
+
+def install_hooks(cap: Any, layers: Any, points: list) -> None:
     """Eager: the hooks call the capture. Compiled: they call hscapture's ops (traced.py), each tap carrying
     its slot's capture point so that a graph built for other points (vLLM's compile cache) is refused
     instead of filing one layer's states under another's id. On failure nothing stays installed or active."""
     try:
         on_capture, on_positions = cap.on_capture, cap.on_positions
+        compiled = cap.traced_points is not None
         if compiled:
             from . import traced
 
-            traced.ensure_ops()
-            codes = tuple(traced.point_code(kind, k) for kind, k in points)
-            cap.traced_points = codes
-            if isinstance(getattr(vc, "additional_config", None), dict):
-                # vLLM keys its compile cache on a hash of the config; settings given by environment
-                # variables alone would not be in it
-                vc.additional_config["hscapture_traced_points"] = list(codes)
+            codes = cap.traced_points
             on_capture = lambda slot, h, r, codes=codes: traced.tap(h, r, slot, codes[slot])  # noqa: E731
             on_positions = traced.positions
         cap.handles = hooks.install(layers, points, on_capture)

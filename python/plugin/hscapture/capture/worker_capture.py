@@ -49,6 +49,10 @@ class WorkerCapture:
         num_hidden_layers: int = 0,
         hidden_size: int = 0,
         out_dtype: str = "",
+        model_dtype: str | None = None,
+        path: Any = None,
+        settle_each_step: bool = False,
+        traced_points: tuple[int, ...] | None = None,
     ) -> None:
         self.cfg = cfg
         self.session = session
@@ -58,16 +62,17 @@ class WorkerCapture:
         self.link = link  # pipeline.StageLink, under pipeline parallelism
         self.layer_ids = list(session.layer_ids)
         self.num_hidden_layers, self.hidden_size, self.out_dtype = num_hidden_layers, hidden_size, out_dtype
-        self.model_dtype = out_dtype
+        self.model_dtype = model_dtype or out_dtype
         self.rpc = RpcState(self)  # speculators' RPC surface: the driver's view of each step
-        self.device_path = "none"
-        self.fp8_on_device = False  # the device path quantizes each step for the fp8 format (wiring.py)
-        self.overlap = False
+        # wiring.DevicePath: how rows leave the GPU ("none" off CUDA), overlapped or not, quantized there for fp8
+        self.device_path = getattr(path, "kind", "none")
+        self.overlap = bool(getattr(path, "overlap", False))
+        self.fp8_on_device = bool(getattr(path, "fp8", False))
         # Per-request files whose clients wait for them, from an engine that may not step again: every device step
         # is collected at its own end instead of the next step's (wiring.py).
-        self.settle_each_step = False
-        self.handles: list[Any] = []
-        self.traced_points: tuple[int, ...] | None = None  # under torch.compile: each tap's capture point
+        self.settle_each_step = settle_each_step
+        self.handles: list[Any] = []  # the hooks on the decoder layers (wiring.install_hooks)
+        self.traced_points = traced_points  # under torch.compile: each tap's capture point
         self.traced_taps = 0  # taps of the compiled graph during captured steps
         self.traced_active = False  # this capture is the one the compiled graph's taps call (traced.py)
         self.drain_seconds: dict[str, float] = {}

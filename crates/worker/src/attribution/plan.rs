@@ -208,15 +208,28 @@ impl Tracker {
             self.step
         );
         self.step += 1;
+        let mut events = self.retire(&input.finished, &input.outputs)?;
+        let mut starts = self.register(&input.new_requests, &input.with_outputs, &mut events)?;
+        for r in &input.cached_requests {
+            starts.insert(&r.req_id, r.num_computed_tokens);
+        }
+        let sched = self.schedule(&input.num_scheduled, &starts, input.total_tokens)?;
+        self.pending = Some(Pending { sched, total_tokens: input.total_tokens, plan: None });
+        Ok(events)
+    }
+
+    /// Forgets the requests that finished: one that captures its generated tokens completes (at this step's
+    /// end, with the token ids the scheduler reports); one whose prompt was not complete is aborted.
+    fn retire(&mut self, finished: &[String], outputs: &[(String, Vec<i64>)]) -> CoreResult<Vec<Event>> {
+        let step = self.step;
         let mut events = Vec::new();
-        let mut outputs: HashMap<&str, &Vec<i64>> = input.outputs.iter().map(|(r, t)| (r.as_str(), t)).collect();
-        for id in &input.finished {
+        let mut outputs: HashMap<&str, &Vec<i64>> = outputs.iter().map(|(r, t)| (r.as_str(), t)).collect();
+        for id in finished {
             let Some(mut t) = self.reqs.remove(id) else { continue };
             match outputs.remove(id.as_str()) {
                 Some(tokens)
                     if t.with_outputs && t.captured >= t.prompt_len && output_sample_rows(t.prompt_len, tokens.len() + 1).is_some() =>
                 {
-                    let step = self.step;
                     let prompt_first = tokens.len() >= t.prompt_len && tokens[..t.prompt_len] == t.token_ids[..];
                     ensure!(
                         prompt_first && t.captured >= tokens.len(),
@@ -245,13 +258,24 @@ impl Tracker {
         if let Some(id) = outputs.keys().next() {
             bail!(
                 Attribution,
-                "step {}: output tokens arrived for request {id:?}, which did not finish in this step or does not capture                  its generated tokens",
-                self.step
+                "step {step}: output tokens arrived for request {id:?}, which did not finish in this step or does \
+                 not capture its generated tokens"
             );
         }
-        let with_outputs: HashSet<&str> = input.with_outputs.iter().map(String::as_str).collect();
-        let mut starts: HashMap<&str, usize> = HashMap::new();
-        for r in &input.new_requests {
+        Ok(events)
+    }
+
+    /// Registers the step's new requests (a request announced again must keep its prompt); returns each one's
+    /// start position.
+    fn register<'a>(
+        &mut self,
+        new_requests: &'a [NewRequest],
+        with_outputs: &[String],
+        events: &mut Vec<Event>,
+    ) -> CoreResult<HashMap<&'a str, usize>> {
+        let with_outputs: HashSet<&str> = with_outputs.iter().map(String::as_str).collect();
+        let mut starts = HashMap::with_capacity(new_requests.len());
+        for r in new_requests {
             ensure!(
                 !r.prompt_token_ids.is_empty(),
                 ShapeContract,
@@ -270,6 +294,7 @@ impl Tracker {
                     t.prompt_len
                 );
             } else {
+                let captures_outputs = with_outputs.contains(r.req_id.as_str());
                 let sample = r.sample.map(SampleKey::Index).unwrap_or_else(|| SampleKey::Request(r.req_id.clone()));
                 self.reqs.insert(
                     r.req_id.clone(),
@@ -280,78 +305,55 @@ impl Tracker {
                         prompt_len: r.prompt_token_ids.len(),
                         captured: 0,
                         done: false,
-                        with_outputs: with_outputs.contains(r.req_id.as_str()),
+                        with_outputs: captures_outputs,
                     },
                 );
-                if with_outputs.contains(r.req_id.as_str()) {
+                if captures_outputs {
                     events.push(Event::Opened { req_id: r.req_id.clone() });
                 }
             }
-            starts.insert(&r.req_id, r.num_computed_tokens);
+            starts.insert(r.req_id.as_str(), r.num_computed_tokens);
         }
-        for r in &input.cached_requests {
-            starts.insert(&r.req_id, r.num_computed_tokens);
-        }
-        let mut sched = HashMap::with_capacity(input.num_scheduled.len());
+        Ok(starts)
+    }
+
+    /// Each scheduled request's (start, tokens, rows to capture); the counts must add up to the step's total.
+    fn schedule(
+        &mut self,
+        num_scheduled: &[(String, usize)],
+        starts: &HashMap<&str, usize>,
+        total_tokens: usize,
+    ) -> CoreResult<HashMap<String, (usize, usize, usize)>> {
+        let step = self.step;
+        let mut sched = HashMap::with_capacity(num_scheduled.len());
         let mut sum = 0usize;
-        for (id, n) in &input.num_scheduled {
+        for (id, n) in num_scheduled {
             sum = sum
                 .checked_add(*n)
-                .ok_or_else(|| core_err!(Attribution, "step {}: the scheduled token counts overflow (request {id:?}: {n})", self.step))?;
+                .ok_or_else(|| core_err!(Attribution, "step {step}: the scheduled token counts overflow (request {id:?}: {n})"))?;
             let Some(&start) = starts.get(id.as_str()) else {
                 bail!(
                     Attribution,
-                    "step {}: request {id:?} has {n} scheduled tokens but is neither a new nor a cached request \
-                     of the step, so its position is unknown",
-                    self.step
+                    "step {step}: request {id:?} has {n} scheduled tokens but is neither a new nor a cached request \
+                     of the step, so its position is unknown"
                 );
             };
             let Some(t) = self.reqs.get_mut(id) else {
                 bail!(
                     Attribution,
-                    "step {}: request {id:?} is scheduled but its prompt was never announced to hscapture (was the \
-                     capture set up after the request started?)",
-                    self.step
+                    "step {step}: request {id:?} is scheduled but its prompt was never announced to hscapture (was the \
+                     capture set up after the request started?)"
                 );
             };
-            let cap = if t.done || (start >= t.prompt_len && !t.with_outputs) {
-                0
-            } else {
-                ensure!(
-                    start <= t.captured,
-                    Attribution,
-                    "step {}: {} ({id:?}) resumes at prompt position {start} but only positions 0..{} were computed \
-                     and captured: the scheduler skipped prompt tokens (prefix caching or a KV-cache transfer), \
-                     whose hidden states are never computed; disable prefix caching (`enable_prefix_caching=False`, \
-                     `--no-enable-prefix-caching`)",
-                    self.step,
-                    t.sample,
-                    t.captured
-                );
-                // Recompute from an earlier position: rows from `start` on are captured again.
-                t.captured = start;
-                if t.with_outputs {
-                    *n
-                } else {
-                    (*n).min(t.prompt_len - start)
-                }
-            };
-            ensure!(
-                sched.insert(id.clone(), (start, *n, cap)).is_none(),
-                Attribution,
-                "step {}: request {id:?} is scheduled twice",
-                self.step
-            );
+            let cap = rows_to_capture(step, id, t, start, *n)?;
+            ensure!(sched.insert(id.clone(), (start, *n, cap)).is_none(), Attribution, "step {step}: request {id:?} is scheduled twice");
         }
         ensure!(
-            sum == input.total_tokens,
+            sum == total_tokens,
             Attribution,
-            "step {}: scheduled tokens per request add up to {sum}, the step reports {} in total",
-            self.step,
-            input.total_tokens
+            "step {step}: scheduled tokens per request add up to {sum}, the step reports {total_tokens} in total"
         );
-        self.pending = Some(Pending { sched, total_tokens: input.total_tokens, plan: None });
-        Ok(events)
+        Ok(sched)
     }
 
     /// Lays out the step in the order the model runner used (`order` = request ids, each owning
@@ -451,6 +453,26 @@ impl Tracker {
     pub fn abandon(&mut self) {
         self.pending = None;
     }
+}
+
+/// The rows of `n` tokens scheduled from `start` that `t` captures: none once its sample is done (or a
+/// prompt-only request is past its prompt); else from `start` on, which must not skip uncaptured positions.
+fn rows_to_capture(step: u64, id: &str, t: &mut Track, start: usize, n: usize) -> CoreResult<usize> {
+    if t.done || (start >= t.prompt_len && !t.with_outputs) {
+        return Ok(0);
+    }
+    ensure!(
+        start <= t.captured,
+        Attribution,
+        "step {step}: {} ({id:?}) resumes at prompt position {start} but only positions 0..{} were computed and \
+         captured: the scheduler skipped prompt tokens (prefix caching or a KV-cache transfer), whose hidden states \
+         are never computed; disable prefix caching (`enable_prefix_caching=False`, `--no-enable-prefix-caching`)",
+        t.sample,
+        t.captured
+    );
+    // Recompute from an earlier position: rows from `start` on are captured again.
+    t.captured = start;
+    Ok(if t.with_outputs { n } else { n.min(t.prompt_len - start) })
 }
 
 #[cfg(test)]

@@ -40,7 +40,14 @@ def _fp8_utils():
 
 def _capture(out: Path, steps, tensors, *, fmt: str, dtype: str, device: bool, ring: int, overlap: bool) -> dict:
     s = _native.CaptureSession(
-        [1, 4, 7], "after", 8, H, dtype, dtype, assemble=True, out_dir=str(out), format=fmt, durable=False, model="t"
+        [1, 4, 7],
+        "after",
+        8,
+        H,
+        dtype,
+        dtype,
+        assemble=True,
+        output=_native.Output(str(out), format=fmt, durable=False, model="t"),
     )
     if device:
         s.enable_device(torch.cuda.current_device(), 128, max(ring, 1) + int(overlap), overlap, fmt == "fp8")

@@ -40,10 +40,7 @@ def capture(root, masks=None, dtype="bfloat16"):
         "float32",
         dtype,
         assemble=True,
-        out_dir=str(root),
-        durable=True,
-        format="legacy",
-        model="m",
+        output=_native.Output(str(root), durable=True, format="legacy", model="m"),
     )
     states = {}
     for i, p in enumerate(PROMPTS):

@@ -35,7 +35,14 @@ def store(master, **extra):
 
 def session(client):
     return _native.CaptureSession(
-        [1, 3], "after", 4, H, "float32", "float32", assemble=True, format="mooncake", store=client
+        [1, 3],
+        "after",
+        4,
+        H,
+        "float32",
+        "float32",
+        assemble=True,
+        output=_native.Output(format="mooncake", store=client),
     )
 
 

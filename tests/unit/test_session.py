@@ -56,8 +56,7 @@ def session(tmp_path=None, layers=(1, 3), assemble=True):
         "float32",
         "float32",
         assemble=assemble,
-        out_dir=str(tmp_path) if tmp_path else None,
-        durable=False,
+        output=_native.Output(str(tmp_path) if tmp_path else None, durable=False),
     )
 
 
@@ -232,9 +231,7 @@ def test_compressed_output_reads_back_identical_and_verifies(tmp_path):
             "float32",
             "bfloat16",
             assemble=True,
-            out_dir=str(tmp_path / name),
-            durable=False,
-            compress=level,
+            output=_native.Output(str(tmp_path / name), durable=False, compress=level),
         )
         run(s, so, ["a"], lambda slot, rows: torch.sin(rows_tagged(slot, rows) * 0.1))
         s.finish()
@@ -245,7 +242,14 @@ def test_compressed_output_reads_back_identical_and_verifies(tmp_path):
     assert b["metadata"]["hscapture.compression"] == "byteplane-zstd/1"
     with pytest.raises(ConfigError, match="zstd takes 1..=22"):
         _native.CaptureSession(
-            [1], "after", 4, H, "float32", "float32", assemble=True, out_dir=str(tmp_path / "x"), compress=40
+            [1],
+            "after",
+            4,
+            H,
+            "float32",
+            "float32",
+            assemble=True,
+            output=_native.Output(str(tmp_path / "x"), compress=40),
         )
 
 

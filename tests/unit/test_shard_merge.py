@@ -161,10 +161,7 @@ def test_merge_legacy_shards(tmp_path):
             "float32",
             "bfloat16",
             assemble=True,
-            out_dir=str(root),
-            durable=False,
-            format="legacy",
-            model="/models/tiny",
+            output=_native.Output(str(root), durable=False, format="legacy", model="/models/tiny"),
         )
         for i in range(k, ROWS, 2):
             r = SimpleNamespace(

@@ -55,6 +55,25 @@ pub struct OutputSettings {
     pub store: Option<StoreHandle>,
 }
 
+impl OutputSettings {
+    /// Completed samples kept in memory (`take_samples`): nothing is written.
+    pub fn in_memory() -> OutputSettings {
+        OutputSettings {
+            root: None,
+            format: "hscapture".into(),
+            compress: None,
+            model: String::new(),
+            threads: 1,
+            queue: 1,
+            durable: false,
+            staging: false,
+            staging_backlog: 0,
+            slow_disk: SlowDisk::default(),
+            store: None,
+        }
+    }
+}
+
 /// An object store's client, as settings carry it.
 #[derive(Clone)]
 pub struct StoreHandle(pub Arc<dyn ObjectStore>);

@@ -16,5 +16,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     functions::register(m)?;
     facts::register(m)?;
     m.add_class::<session::CaptureSession>()?;
+    m.add_class::<session::Output>()?;
     Ok(())
 }

@@ -61,15 +61,70 @@ fn tuples(rs: Vec<StepReport>) -> Vec<ReportTuple> {
     rs.into_iter().map(|r| (r.step, r.checksum as i64, r.rows, r.completed)).collect()
 }
 
+/// Where a session's samples go, built once: `Output(out_dir)` writes a capture directory in `format` with
+/// `writer_threads` threads; with `staging`, per-request files a client collects (`output/staging.rs`; at most
+/// `staging_backlog_mib` of complete samples waiting for their files after a release); with `store` (an object
+/// store's client, `py/store.rs`) and format `mooncake`, packed objects in that store instead (`output/store.rs`).
+/// A session without one keeps completed samples in memory for `take_samples()`.
+#[pyclass(module = "hscapture._native", frozen)]
+pub struct Output {
+    settings: OutputSettings,
+}
+
+#[pymethods]
+impl Output {
+    #[new]
+    #[pyo3(signature = (out_dir=None, *, format="hscapture".to_string(), writer_threads=4, writer_queue=8, durable=true, compress=None, model=String::new(), staging=false, staging_backlog_mib=2048, store=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        out_dir: Option<PathBuf>,
+        format: String,
+        writer_threads: usize,
+        writer_queue: usize,
+        durable: bool,
+        compress: Option<i32>,
+        model: String,
+        staging: bool,
+        staging_backlog_mib: u64,
+        store: Option<Py<PyAny>>,
+    ) -> PyResult<Self> {
+        guard("Output()", || {
+            let staging_backlog = staging_backlog_mib.checked_mul(1 << 20).ok_or_else(|| {
+                crate::core_err!(Config, "staging backlog of {staging_backlog_mib} MiB: expected at most {} MiB", u64::MAX >> 20)
+            })?;
+            let settings = OutputSettings {
+                root: out_dir,
+                format,
+                compress,
+                model,
+                threads: writer_threads,
+                queue: writer_queue,
+                durable,
+                staging,
+                staging_backlog,
+                slow_disk: SlowDisk::default(),
+                store: store.map(|client| StoreHandle(Arc::new(PyStore::new(client)))),
+            };
+            Ok(Output { settings })
+        })
+    }
+
+    /// Tests only: the same output on a slow disk — each per-request file written `delay_ms` late, and first for
+    /// as long as the file `hold` exists (`output/staging.rs`).
+    #[pyo3(signature = (delay_ms=0, hold=None))]
+    fn on_slow_disk(&self, delay_ms: u64, hold: Option<PathBuf>) -> Output {
+        let slow_disk = SlowDisk { delay: std::time::Duration::from_millis(delay_ms), hold_while: hold };
+        Output { settings: OutputSettings { slow_disk, ..self.settings.clone() } }
+    }
+}
+
 #[pymethods]
 impl CaptureSession {
-    /// `out_dir=None` keeps completed samples in memory for `take_samples()`; otherwise the writing
-    /// rank writes them under `out_dir` in `format` with `writer_threads` threads — a capture directory, or with
-    /// `staging` per-request files a client collects (`output/staging.rs`; at most `staging_backlog_mib` of complete
-    /// samples waiting for their files after a release); with `store` (an object store's client,
-    /// `py/store.rs`) and format `mooncake`, packed objects in that store instead (`output/store.rs`).
+    /// One worker's capture of `layer_ids` (in `convention`) from a model of `num_hidden_layers` layers of
+    /// `hidden_size` in `model_dtype`, stored as `out_dtype`; `assemble`: this rank assembles samples (else it only
+    /// verifies); `output`: where they go (`Output`; None keeps them in memory).
     #[new]
-    #[pyo3(signature = (layer_ids, convention, num_hidden_layers, hidden_size, model_dtype, out_dtype, assemble, out_dir=None, writer_threads=4, writer_queue=8, durable=true, format="hscapture".to_string(), compress=None, model=String::new(), staging=false, staging_backlog_mib=2048, staging_delay_ms=0, staging_hold=None, store=None))]
+    #[pyo3(signature = (layer_ids, convention, num_hidden_layers, hidden_size, model_dtype, out_dtype, assemble, output=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -80,18 +135,7 @@ impl CaptureSession {
         model_dtype: &str,
         out_dtype: &str,
         assemble: bool,
-        out_dir: Option<PathBuf>,
-        writer_threads: usize,
-        writer_queue: usize,
-        durable: bool,
-        format: String,
-        compress: Option<i32>,
-        model: String,
-        staging: bool,
-        staging_backlog_mib: u64,
-        staging_delay_ms: u64,
-        staging_hold: Option<PathBuf>,
-        store: Option<Py<PyAny>>,
+        output: Option<Py<Output>>,
     ) -> PyResult<Self> {
         guard("CaptureSession()", || {
             let cfg = SessionConfig {
@@ -101,24 +145,9 @@ impl CaptureSession {
                 out_dtype: parse_dtype(out_dtype, "output dtype")?,
                 assemble,
             };
-            let slow_disk = SlowDisk { delay: std::time::Duration::from_millis(staging_delay_ms), hold_while: staging_hold };
-            let (threads, queue) = (writer_threads, writer_queue);
-            let store = store.map(|client| StoreHandle(Arc::new(PyStore::new(client))));
-            let staging_backlog = staging_backlog_mib.checked_mul(1 << 20).ok_or_else(|| {
-                crate::core_err!(Config, "staging backlog of {staging_backlog_mib} MiB: expected at most {} MiB", u64::MAX >> 20)
-            })?;
-            let out = OutputSettings {
-                root: out_dir,
-                format,
-                compress,
-                model,
-                threads,
-                queue,
-                durable,
-                staging,
-                staging_backlog,
-                slow_disk,
-                store,
+            let out = match output {
+                Some(o) => o.get().settings.clone(),
+                None => OutputSettings::in_memory(),
             };
             Ok(CaptureSession { inner: py.detach(|| WorkerSession::new(cfg, out))? })
         })

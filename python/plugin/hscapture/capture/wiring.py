@@ -64,26 +64,24 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         from ..output.mooncake import Store
 
         store = Store(cfg.mooncake).open()
-    session = _native.CaptureSession(
-        layer_ids,
-        cfg.convention,
-        n_layers,
-        hidden,
-        model_dtype,
-        out_dtype,
-        assemble=writer,
-        out_dir=cfg.out if writer else None,
+    output = _native.Output(
+        cfg.out if writer else None,
+        format="mooncake" if cfg.mooncake is not None else cfg.format,
         writer_threads=cfg.writer_threads,
         writer_queue=cfg.writer_queue,
         durable=cfg.durable,
-        format="mooncake" if cfg.mooncake is not None else cfg.format,
         compress=cfg.compress or None,
         model=cfg.model_name or model,
         staging=cfg.staging,
         staging_backlog_mib=_staging_backlog_mib(),
-        staging_delay_ms=max(0, envs.get("HSCAPTURE_TEST_STAGING_DELAY_MS")) if cfg.staging else 0,
-        staging_hold=envs.get("HSCAPTURE_TEST_STAGING_HOLD") if cfg.staging else None,
         store=store,
+    )
+    if cfg.staging and (envs.get("HSCAPTURE_TEST_STAGING_DELAY_MS") > 0 or envs.get("HSCAPTURE_TEST_STAGING_HOLD")):
+        output = output.on_slow_disk(
+            max(0, envs.get("HSCAPTURE_TEST_STAGING_DELAY_MS")), envs.get("HSCAPTURE_TEST_STAGING_HOLD")
+        )
+    session = _native.CaptureSession(
+        layer_ids, cfg.convention, n_layers, hidden, model_dtype, out_dtype, assemble=writer, output=output
     )
     if writer and cfg.out is None and store is None:
         log.warning(

@@ -17,8 +17,9 @@ class _RotatedOrder(WorkerCapture):
 
 
 class _ShiftedLayers(WorkerCapture):
-    def capture_points(self):
-        return [(kind, k + 1 if kind == "layer_output" else k) for kind, k in super().capture_points()]
+    @classmethod
+    def points_of(cls, session):
+        return [(kind, k + 1 if kind == "layer_output" else k) for kind, k in super().points_of(session)]
 
 
 class RotatedOrderWorker(CaptureWorker):

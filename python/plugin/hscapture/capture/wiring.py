@@ -94,7 +94,7 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         session.set_background(ring)
     sync = RankSync(tp, int(getattr(worker, "rank", 0)), cfg.out)
     name, layers = hooks.find_decoder_layers(worker.get_model(), n_layers)
-    points = session.capture_points()
+    points = cls.points_of(session)
     link = None
     if pp_size > 1:
         from .pipeline import StageLink

@@ -92,9 +92,14 @@ class WorkerCapture:
     def tp(self) -> Any:
         return self.sync.tp
 
+    @classmethod
+    def points_of(cls, session: Any) -> list[tuple[str, int]]:
+        """Where each layer slot of ``session`` is read: ``("embeddings", 0)`` or ``("layer_output", k)``; the hooks
+        go there (``wiring.build`` asks the class before it builds the capture)."""
+        return session.capture_points()
+
     def capture_points(self) -> list[tuple[str, int]]:
-        """Where each layer slot is read: ``("embeddings", 0)`` or ``("layer_output", k)``."""
-        return self.session.capture_points()
+        return type(self).points_of(self.session)
 
     def step_order(self) -> list[str]:
         """Request ids in the order the model runner laid out the step being executed."""

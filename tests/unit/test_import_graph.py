@@ -23,6 +23,15 @@ def modules(root: Path, package: str) -> dict[str, Path]:
     return found
 
 
+def target_of(name: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module a `from ... import` in module `name` reads from."""
+    if not node.level:
+        return node.module or ""
+    base = name.split(".") if is_package else name.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def imports(name: str, path: Path, known: set[str], package: str) -> set[str]:
     """The package's modules that ``name`` imports anywhere in its body (a name imported from a package that is
     itself a module counts as that module)."""
@@ -30,12 +39,7 @@ def imports(name: str, path: Path, known: set[str], package: str) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".") if is_package else name.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = target_of(name, is_package, node)
             candidates = [f"{target}.{a.name}" for a in node.names] or [target]
             candidates = [c if c in known else target for c in candidates]
         elif isinstance(node, ast.Import):
@@ -113,12 +117,7 @@ def unresolved(root: Path, package: str, native: object) -> list[str]:
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            if node.level:
-                base = name.split(".") if is_package else name.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = target_of(name, is_package, node)
             if not (target == package or target.startswith(package + ".")):
                 continue
             for a in node.names:

@@ -22,10 +22,11 @@ if __name__ == "__main__":
     ap.add_argument("--batch", type=int, default=1000)
     ap.add_argument("--out", default="/tmp/hscapture-soak")
     args = ap.parse_args()
-    from hscapture import _native, runtime_env, tiny
+    from hscapture import _native, runtime_env
     from hscapture.adapters.vllm_compat import SAMPLE_KEY
     from hscapture.cli.demo import cache_dir
     from hscapture.cli.verify import run_verify
+    from hscapture.testing import tiny
 
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)

@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 mod errors;
 mod facts;
 mod functions;
+mod output;
 mod session;
 mod store;
 mod tensor;
@@ -16,6 +17,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     functions::register(m)?;
     facts::register(m)?;
     m.add_class::<session::CaptureSession>()?;
-    m.add_class::<session::Output>()?;
+    m.add_class::<output::Output>()?;
     Ok(())
 }

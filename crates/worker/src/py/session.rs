@@ -1,23 +1,19 @@
 //! `CaptureSession`: the binding of one worker's capture ([`WorkerSession`]), driven by the Python
 //! worker once per step. Conversions only: every decision is the core's.
 
-use std::path::PathBuf;
-
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
 
 use super::errors::guard;
-use super::store::PyStore;
+use super::output::Output;
 use super::tensor::{describe, parse_dtype};
 use crate::attribution::layers::{Convention, LayerPlan};
 use crate::attribution::plan::{CachedRequest, NewRequest, SampleKey, StepInput};
 use crate::capture::cuda::CudaDevice;
 use crate::capture::session::SessionConfig;
 use crate::output::record::SampleRecord;
-use crate::output::staging::SlowDisk;
 use crate::ranks::checksums::verify_replicated;
-use crate::worker::{OutputSettings, StepReport, StoreHandle, WorkerSession};
-use std::sync::Arc;
+use crate::worker::{OutputSettings, StepReport, WorkerSession};
 
 /// `(request id, prompt token ids, computed tokens, sample index, loss mask)`.
 type NewReqTuple = (String, Vec<i64>, usize, Option<u64>, Option<Vec<u8>>);
@@ -61,63 +57,6 @@ fn tuples(rs: Vec<StepReport>) -> Vec<ReportTuple> {
     rs.into_iter().map(|r| (r.step, r.checksum as i64, r.rows, r.completed)).collect()
 }
 
-/// Where a session's samples go, built once: `Output(out_dir)` writes a capture directory in `format` with
-/// `writer_threads` threads; with `staging`, per-request files a client collects (`output/staging.rs`; at most
-/// `staging_backlog_mib` of complete samples waiting for their files after a release); with `store` (an object
-/// store's client, `py/store.rs`) and format `mooncake`, packed objects in that store instead (`output/store.rs`).
-/// A session without one keeps completed samples in memory for `take_samples()`.
-#[pyclass(module = "hscapture._native", frozen)]
-pub struct Output {
-    settings: OutputSettings,
-}
-
-#[pymethods]
-impl Output {
-    #[new]
-    #[pyo3(signature = (out_dir=None, *, format="hscapture".to_string(), writer_threads=4, writer_queue=8, durable=true, compress=None, model=String::new(), staging=false, staging_backlog_mib=2048, store=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        out_dir: Option<PathBuf>,
-        format: String,
-        writer_threads: usize,
-        writer_queue: usize,
-        durable: bool,
-        compress: Option<i32>,
-        model: String,
-        staging: bool,
-        staging_backlog_mib: u64,
-        store: Option<Py<PyAny>>,
-    ) -> PyResult<Self> {
-        guard("Output()", || {
-            let staging_backlog = staging_backlog_mib.checked_mul(1 << 20).ok_or_else(|| {
-                crate::core_err!(Config, "staging backlog of {staging_backlog_mib} MiB: expected at most {} MiB", u64::MAX >> 20)
-            })?;
-            let settings = OutputSettings {
-                root: out_dir,
-                format,
-                compress,
-                model,
-                threads: writer_threads,
-                queue: writer_queue,
-                durable,
-                staging,
-                staging_backlog,
-                slow_disk: SlowDisk::default(),
-                store: store.map(|client| StoreHandle(Arc::new(PyStore::new(client)))),
-            };
-            Ok(Output { settings })
-        })
-    }
-
-    /// Tests only: the same output on a slow disk — each per-request file written `delay_ms` late, and first for
-    /// as long as the file `hold` exists (`output/staging.rs`).
-    #[pyo3(signature = (delay_ms=0, hold=None))]
-    fn on_slow_disk(&self, delay_ms: u64, hold: Option<PathBuf>) -> Output {
-        let slow_disk = SlowDisk { delay: std::time::Duration::from_millis(delay_ms), hold_while: hold };
-        Output { settings: OutputSettings { slow_disk, ..self.settings.clone() } }
-    }
-}
-
 #[pymethods]
 impl CaptureSession {
     /// One worker's capture of `layer_ids` (in `convention`) from a model of `num_hidden_layers` layers of
@@ -146,7 +85,7 @@ impl CaptureSession {
                 assemble,
             };
             let out = match output {
-                Some(o) => o.get().settings.clone(),
+                Some(o) => o.get().settings().clone(),
                 None => OutputSettings::in_memory(),
             };
             Ok(CaptureSession { inner: py.detach(|| WorkerSession::new(cfg, out))? })

@@ -1,0 +1,74 @@
+//! `Output`: where a capture session's samples go, built once and handed to `CaptureSession`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+
+use super::errors::guard;
+use super::store::PyStore;
+use crate::output::staging::SlowDisk;
+use crate::worker::{OutputSettings, StoreHandle};
+
+/// Where a session's samples go, built once: `Output(out_dir)` writes a capture directory in `format` with
+/// `writer_threads` threads; with `staging`, per-request files a client collects (`output/staging.rs`; at most
+/// `staging_backlog_mib` of complete samples waiting for their files after a release); with `store` (an object
+/// store's client, `py/store.rs`) and format `mooncake`, packed objects in that store instead (`output/store.rs`).
+/// A session without one keeps completed samples in memory for `take_samples()`.
+#[pyclass(module = "hscapture._native", frozen)]
+pub struct Output {
+    settings: OutputSettings,
+}
+
+impl Output {
+    pub fn settings(&self) -> &OutputSettings {
+        &self.settings
+    }
+}
+
+#[pymethods]
+impl Output {
+    #[new]
+    #[pyo3(signature = (out_dir=None, *, format="hscapture".to_string(), writer_threads=4, writer_queue=8, durable=true, compress=None, model=String::new(), staging=false, staging_backlog_mib=2048, store=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        out_dir: Option<PathBuf>,
+        format: String,
+        writer_threads: usize,
+        writer_queue: usize,
+        durable: bool,
+        compress: Option<i32>,
+        model: String,
+        staging: bool,
+        staging_backlog_mib: u64,
+        store: Option<Py<PyAny>>,
+    ) -> PyResult<Self> {
+        guard("Output()", || {
+            let staging_backlog = staging_backlog_mib.checked_mul(1 << 20).ok_or_else(|| {
+                crate::core_err!(Config, "staging backlog of {staging_backlog_mib} MiB: expected at most {} MiB", u64::MAX >> 20)
+            })?;
+            let settings = OutputSettings {
+                root: out_dir,
+                format,
+                compress,
+                model,
+                threads: writer_threads,
+                queue: writer_queue,
+                durable,
+                staging,
+                staging_backlog,
+                slow_disk: SlowDisk::default(),
+                store: store.map(|client| StoreHandle(Arc::new(PyStore::new(client)))),
+            };
+            Ok(Output { settings })
+        })
+    }
+
+    /// Tests only: the same output on a slow disk — each per-request file written `delay_ms` late, and first for
+    /// as long as the file `hold` exists (`output/staging.rs`).
+    #[pyo3(signature = (delay_ms=0, hold=None))]
+    fn on_slow_disk(&self, delay_ms: u64, hold: Option<PathBuf>) -> Output {
+        let slow_disk = SlowDisk { delay: std::time::Duration::from_millis(delay_ms), hold_while: hold };
+        Output { settings: OutputSettings { slow_disk, ..self.settings.clone() } }
+    }
+}

@@ -8,6 +8,9 @@ Modes (each its own server: random weights, `--load-format dummy`, bf16, eager, 
                    prompts and concurrency), since speculators' client needs a hidden-states path in every answer
   hscapture-file   hscapture's `HscaptureConnector`, `format: file` (bf16 per-request files)
   hscapture-fp8    the same, `format: fp8` (quantized on the GPU)
+  hscapture-file-writeback, hscapture-file-fsync
+                   `format: file` with `durable: "writeback"` (each file's data written back by its writer thread after
+                   its lock is released) or `durable: true` (fsync before the rename), instead of the connector's default
   vllm-file        vLLM's `extract_hidden_states` with its `ExampleHiddenStatesConnector`
   vllm-fp8         vLLM's `extract_hidden_states` with hs_connectors' `FP8HiddenStatesConnector`
   offline          no server: `hscapture extract` of the same prompts into the same disk (its defaults: bf16,
@@ -46,7 +49,15 @@ SMOKE = {
     **{"num_key_value_heads": 2, "vocab_size": 1024},
 }
 SPECULATORS = "import sys; from speculators.__main__ import app; sys.argv[0] = 'speculators'; app()"
-CAPTURE_MODES = ("hscapture-file", "hscapture-fp8", "vllm-file", "vllm-fp8")
+CAPTURE_MODES = (
+    "hscapture-file",
+    "hscapture-fp8",
+    "hscapture-file-writeback",
+    "hscapture-file-fsync",
+    "vllm-file",
+    "vllm-fp8",
+)
+DURABLE = {"writeback": "writeback", "fsync": True}
 
 
 def free_port() -> int:
@@ -70,9 +81,11 @@ def mode_args(mode: str, stage: Path, layers: list[int]) -> list[str]:
             "kv_connector": "HscaptureConnector",
             "kv_connector_module_path": "hscapture.connector",
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": str(stage), "format": mode.split("-", 1)[1]},
+            "kv_connector_extra_config": {"shared_storage_path": str(stage), "format": mode.split("-")[1]},
         }
         hs = {"hscapture": {"layers": layers, "convention": "before"}}
+        if mode.count("-") == 2:
+            hs["hscapture"]["durable"] = DURABLE[mode.split("-")[2]]
         return [
             "--worker-cls",
             "hscapture.worker.CaptureWorker",

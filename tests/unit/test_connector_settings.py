@@ -4,7 +4,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from hscapture import ConfigError
+from hscapture import ConfigError, _native
 from hscapture.adapters import requested
 from hscapture.config import from_sources
 
@@ -78,3 +78,17 @@ def test_per_request_files_skip_fsync_unless_durable_is_asked_for(monkeypatch):
     monkeypatch.setenv("HSCAPTURE_DURABLE", "1")
     assert from_sources(base, {"out": "/d"}).durable is True
     assert from_sources({"hscapture": {**base["hscapture"], "out": "/e"}}).durable is True, "a capture directory is"
+
+
+def test_writeback_is_a_durability_between_rename_and_fsync(monkeypatch, tmp_path):
+    """`durable: "writeback"` (setting or variable) reaches the core, which accepts it; other text is refused."""
+    monkeypatch.setenv("HSCAPTURE_DURABLE", "WriteBack")
+    base = {"hscapture": {"layers": [1], "convention": "before"}}
+    assert from_sources(base, {"out": "/d"}).durable == _native.DURABLE_WRITEBACK
+    monkeypatch.delenv("HSCAPTURE_DURABLE")
+    assert from_sources({"hscapture": {**base["hscapture"], "durable": "writeback"}}, {"out": "/d"}).durable == "writeback"
+    _native.Output(str(tmp_path), durable=_native.DURABLE_WRITEBACK, staging=True)
+    with pytest.raises(ConfigError, match="writeback"):
+        from_sources({"hscapture": {**base["hscapture"], "durable": "later"}}, {"out": "/d"})
+    with pytest.raises(_native.ConfigError, match="expected true, false or"):
+        _native.Output(str(tmp_path), durable="later")

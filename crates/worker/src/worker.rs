@@ -19,6 +19,7 @@ use crate::capture::device::DeviceBackend;
 use crate::capture::session::{Aborted, Session, SessionConfig, StepOutcome};
 use crate::capture::tensor::TensorDesc;
 use crate::failure::Failure;
+use crate::output::atomic::Durability;
 use crate::output::format::{by_name, Format};
 use crate::output::record::{Identity, SampleRecord};
 use crate::output::sample::Sample;
@@ -41,8 +42,8 @@ pub struct OutputSettings {
     pub model: String,
     pub threads: usize,
     pub queue: usize,
-    /// fsync every file and its directory before it counts as written.
-    pub durable: bool,
+    /// How far each file is pushed to disk (`atomic.rs`): fsync'd, written back after its hand-over, or renamed only.
+    pub durability: Durability,
     /// Per-request files for a collecting client (`staging.rs`) instead of a capture directory.
     pub staging: bool,
     /// Per-request files: at most this many bytes of complete samples wait for their files when a step's samples
@@ -65,7 +66,7 @@ impl OutputSettings {
             model: String::new(),
             threads: 1,
             queue: 1,
-            durable: false,
+            durability: Durability::Rename,
             staging: false,
             staging_backlog: 0,
             slow_disk: SlowDisk::default(),
@@ -185,7 +186,7 @@ impl WorkerSession {
                 } else {
                     Layout::Capture
                 };
-                let sink = Arc::new(FileSink::with_layout(root, format, id, out.durable, layout)?);
+                let sink = Arc::new(FileSink::with_layout(root, format, id, out.durability, layout)?);
                 Output::Files(Writer::start(sink, wcfg, failure)?)
             }
         };

@@ -43,7 +43,7 @@ class CaptureConfig:
     dtype: str = "auto"
     writer_threads: int = field(default_factory=default_writer_threads)
     writer_queue: int = 8
-    durable: bool = True
+    durable: bool | str = True  # or _native.DURABLE_WRITEBACK
     on_nonfinite: str = "error"
     compress: int = 0
     format: str = "hscapture"
@@ -129,7 +129,7 @@ def _coerce(key: str, value: Any, where: str):
                 raise ValueError
             return v
         if key == "durable":
-            return boolean(value)
+            return envs.durability(value) if isinstance(value, str) else boolean(value)
         if not isinstance(value, str):
             raise TypeError(value)  # every other setting is text
         if key == "out":
@@ -164,7 +164,7 @@ def _coerce(key: str, value: Any, where: str):
         expect = {
             "layers": "a non-empty list of integer layer ids in ascending order, such as [2, 4, 5]",
             "out": "the output directory, a non-empty path (leave the key out only with speculators' RPC surface)",
-            "durable": "true or false (also yes/no, on/off, 1/0)",
+            "durable": f'true or false (also yes/no, on/off, 1/0), or "{_native.DURABLE_WRITEBACK}"',
             "model_name": "the model's name, as text",
             "convention": '"after" or "before"',
             "format": "one of "

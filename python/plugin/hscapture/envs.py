@@ -19,7 +19,7 @@ from . import _native
 @dataclass(frozen=True)
 class EnvVar:
     name: str
-    kind: str  # "str" | "int" | "bool" | "ids" | "names"
+    kind: str  # "str" | "int" | "bool" | "durable" | "ids" | "names"
     default: str | None
     help: str
 
@@ -78,9 +78,11 @@ REGISTRY: dict[str, EnvVar] = {
         ),
         EnvVar(
             "HSCAPTURE_DURABLE",
-            "bool",
+            "durable",
             "1",
-            "fsync every file and its directory before it is declared done (`0` trades safety for speed).",
+            "`1`: fsync every file and its directory before it is declared done; `0`: rename into place only "
+            "(the KV connector's default); `writeback`: rename into place, then the writer thread writes the file's "
+            "data back to disk before its next file (a client waiting for it is not held up; the disk sets the pace).",
         ),
         EnvVar(
             "HSCAPTURE_COMPRESS",
@@ -243,6 +245,13 @@ def parse_bool(text: str) -> bool:
     raise ValueError(text)
 
 
+def durability(text: str) -> bool | str:
+    """The ``durable`` setting written as text: a bool (``parse_bool``) or the core's writeback level."""
+    if text.strip().lower() == _native.DURABLE_WRITEBACK:
+        return _native.DURABLE_WRITEBACK
+    return parse_bool(text)
+
+
 def raw(name: str) -> str | None:
     """The variable's value as set, or its default."""
     if name not in REGISTRY:
@@ -271,6 +280,8 @@ def get(name: str):
             return int(v)
         if var.kind == "bool":
             return parse_bool(v)
+        if var.kind == "durable":
+            return durability(v)
         if var.kind == "names":
             return [x for x in v.replace(" ", "").split(",") if x]
         if var.kind == "ids":
@@ -280,7 +291,7 @@ def get(name: str):
             return [int(x) for x in ids]
         return v
     except ValueError:
-        expect = {"int": "an integer", "bool": "1 or 0", "ids": "comma-separated integers such as `2,4,5`"}[var.kind]
+        expect = {"int": "an integer", "bool": "1 or 0", "durable": f"1, 0 or {_native.DURABLE_WRITEBACK}", "ids": "comma-separated integers such as `2,4,5`"}[var.kind]
         raise ConfigError(f"{name}={v!r} is not valid: expected {expect}") from None
 
 

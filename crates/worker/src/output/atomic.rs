@@ -69,12 +69,49 @@ pub fn sync_dir(dir: &Path) -> CoreResult<()> {
     d.sync_all().map_err(|e| io_err("cannot flush the directory", dir, e))
 }
 
+/// How far a written file is pushed towards the disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durability {
+    /// Renamed into place whole; the kernel writes it back when it chooses.
+    Rename,
+    /// Renamed into place, then its data written back by the writing thread (`fdatasync`) before that thread takes
+    /// the next file: whoever waits for the file is not held up, and the disk, not the kernel's single flusher,
+    /// sets the writers' pace. Neither the directory nor a journal is synced, so a crash may lose it.
+    Writeback,
+    /// Flushed to disk before the rename and its directory after it: it survives a crash once in place.
+    Fsync,
+}
+
+impl Durability {
+    /// The setting's text for the middle level (`true`/`false` name the others).
+    pub const WRITEBACK: &'static str = "writeback";
+
+    pub fn from_flag(durable: bool) -> Durability {
+        if durable {
+            Durability::Fsync
+        } else {
+            Durability::Rename
+        }
+    }
+}
+
 /// Writes `path` atomically: `fill` writes the content; with `durable` the file is flushed to disk
 /// before the rename and its directory after it (a failed directory flush is an error: the rename
 /// might not survive a crash). Returns the size and checksum of what was written.
 pub fn write_atomic(path: &Path, durable: bool, fill: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> CoreResult<Written> {
+    write_placed(path, Durability::from_flag(durable), fill).map(|(w, _)| w)
+}
+
+/// As [`write_atomic`] at any [`Durability`]; with [`Durability::Writeback`] the file, in place, is handed back
+/// so that the caller syncs it once it has told whoever waits for it (see [`writeback`]).
+pub fn write_placed(
+    path: &Path,
+    durability: Durability,
+    fill: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
+) -> CoreResult<(Written, Option<File>)> {
     let tmp = partial_path(path);
-    let result = (|| -> CoreResult<Written> {
+    let fsync = durability == Durability::Fsync;
+    let result = (|| -> CoreResult<(Written, File)> {
         let file = OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(|e| io_err("cannot create", &tmp, e))?;
         let written = {
             let mut w = Hashing { inner: BufWriter::with_capacity(1 << 20, &file), hash: xxhash_rust::xxh3::Xxh3::new(), bytes: 0 };
@@ -82,23 +119,27 @@ pub fn write_atomic(path: &Path, durable: bool, fill: impl FnOnce(&mut dyn Write
             w.flush().map_err(|e| io_err("cannot write", &tmp, e))?;
             Written { bytes: w.bytes, checksum: checksum_text(w.hash.digest()) }
         };
-        if durable {
+        if fsync {
             file.sync_all().map_err(|e| io_err("cannot flush", &tmp, e))?;
         }
-        drop(file);
         fs::rename(&tmp, path).map_err(|e| io_err("cannot rename into place", path, e))?;
-        Ok(written)
+        Ok((written, file))
     })();
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
     }
-    let written = result?;
-    if durable {
+    let (written, file) = result?;
+    if fsync {
         if let Some(dir) = path.parent() {
             sync_dir(if dir.as_os_str().is_empty() { Path::new(".") } else { dir })?;
         }
     }
-    Ok(written)
+    Ok((written, (durability == Durability::Writeback).then_some(file)))
+}
+
+/// Writes back the data of a file [`write_placed`] handed over (wherever it has been moved to since).
+pub fn writeback(file: File, path: &Path) -> CoreResult<()> {
+    file.sync_data().map_err(|e| io_err("cannot write back", path, e))
 }
 
 #[cfg(test)]

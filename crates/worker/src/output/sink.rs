@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::attribution::plan::SampleKey;
-use crate::output::atomic::write_atomic;
+use crate::output::atomic::{write_placed, writeback, Durability};
 use crate::output::dirlock::WriterLock;
 use crate::output::format::Format;
 use crate::output::journal::Journal;
@@ -36,7 +36,7 @@ pub struct FileSink {
     root: PathBuf,
     format: Box<dyn Format>,
     identity: Identity,
-    durable: bool,
+    durability: Durability,
     journal: Option<Journal>,
     locks: Option<Arc<Locks>>,
 }
@@ -44,19 +44,25 @@ pub struct FileSink {
 impl FileSink {
     /// Creates the format's folder under `root`, takes the directory's writer lock and opens the journal
     /// (refused when another process writes there, or when the journal belongs to another identity).
-    pub fn open(root: &Path, format: Box<dyn Format>, identity: Identity, durable: bool) -> CoreResult<FileSink> {
-        FileSink::with_layout(root, format, identity, durable, Layout::Capture)
+    pub fn open(root: &Path, format: Box<dyn Format>, identity: Identity, durability: Durability) -> CoreResult<FileSink> {
+        FileSink::with_layout(root, format, identity, durability, Layout::Capture)
     }
 
     /// As [`FileSink::open`], in `layout`.
-    pub fn with_layout(root: &Path, format: Box<dyn Format>, identity: Identity, durable: bool, layout: Layout) -> CoreResult<FileSink> {
+    pub fn with_layout(
+        root: &Path,
+        format: Box<dyn Format>,
+        identity: Identity,
+        durability: Durability,
+        layout: Layout,
+    ) -> CoreResult<FileSink> {
         let staging = matches!(layout, Layout::Staging(_));
         let dir = if staging { root.to_path_buf() } else { root.join(format.folder()) };
         std::fs::create_dir_all(&dir).map_err(|e| {
             core_err!(Output, "cannot create the output directory {}: {e}; choose a directory you can write", dir.display())
         })?;
         let (lock, journal, locks) = match layout {
-            Layout::Capture => (Some(WriterLock::acquire(root)?), Some(Journal::open(root, &identity, durable)?), None),
+            Layout::Capture => (Some(WriterLock::acquire(root)?), Some(Journal::open(root, &identity, durability == Durability::Fsync)?), None),
             Layout::Staging(locks) => {
                 ensure!(
                     format.per_request_files(),
@@ -67,7 +73,7 @@ impl FileSink {
                 (None, None, Some(locks))
             }
         };
-        Ok(FileSink { _lock: lock, root: root.to_path_buf(), format, identity, durable, journal, locks })
+        Ok(FileSink { _lock: lock, root: root.to_path_buf(), format, identity, durability, journal, locks })
     }
 
     pub fn root(&self) -> &Path {
@@ -84,14 +90,18 @@ impl Sink for FileSink {
             }
             None => self.format.file(&sample.key),
         };
-        let written = self
+        let path = self.root.join(&file);
+        let placed = self
             .format
             .encode(sample, &self.identity)
-            .and_then(|parts| write_atomic(&self.root.join(&file), self.durable, |w| parts.iter().try_for_each(|p| w.write_all(p))));
+            .and_then(|parts| write_placed(&path, self.durability, |w| parts.iter().try_for_each(|p| w.write_all(p))));
         if let Some(locks) = &self.locks {
             locks.release(&sample.req_id); // the file is in place (or never will be: the capture failed)
         }
-        let written = written?;
+        let (written, placed_file) = placed?;
+        if let Some(f) = placed_file {
+            writeback(f, &path)?; // after the release: the client moves the file meanwhile, the data follows it
+        }
         let (index, request_id) = match &sample.key {
             SampleKey::Index(i) => (Some(*i), None),
             SampleKey::Request(_) => (None, Some(sample.req_id.clone())),

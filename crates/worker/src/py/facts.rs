@@ -132,6 +132,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("COMPRESS_LEVELS", (*levels.start(), *levels.end()))?;
     m.add("WRITER_LOCK", crate::output::dirlock::FILE)?;
     m.add("STORE_FORMAT", crate::worker::STORE_FORMAT)?;
+    m.add("DURABLE_WRITEBACK", crate::output::atomic::Durability::WRITEBACK)?;
     m.add_function(wrap_pyfunction!(formats, m)?)?;
     m.add_function(wrap_pyfunction!(canonical_format, m)?)?;
     m.add_function(wrap_pyfunction!(sample_index, m)?)?;

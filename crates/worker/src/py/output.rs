@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 
 use super::errors::guard;
 use super::store::PyStore;
+use crate::output::atomic::Durability;
 use crate::output::staging::SlowDisk;
 use crate::worker::{OutputSettings, StoreHandle};
 
@@ -14,6 +15,8 @@ use crate::worker::{OutputSettings, StoreHandle};
 /// `writer_threads` threads; with `staging`, per-request files a client collects (`output/staging.rs`; at most
 /// `staging_backlog_mib` of complete samples waiting for their files after a release); with `store` (an object
 /// store's client, `py/store.rs`) and format `mooncake`, packed objects in that store instead (`output/store.rs`).
+/// `durable`: true (each file and its directory fsync'd), false (renamed into place only) or "writeback" (each file's
+/// data written back by its writer thread right after it is in place; `output/atomic.rs`).
 /// A session without one keeps completed samples in memory for `take_samples()`.
 #[pyclass(module = "hscapture._native", frozen)]
 pub struct Output {
@@ -26,17 +29,29 @@ impl Output {
     }
 }
 
+/// `durable` as given: a bool (default true) or the writeback level's name.
+fn durability(durable: Option<&Bound<'_, PyAny>>) -> PyResult<Durability> {
+    let Some(d) = durable else { return Ok(Durability::Fsync) };
+    if let Ok(flag) = d.extract::<bool>() {
+        return Ok(Durability::from_flag(flag));
+    }
+    match d.extract::<String>() {
+        Ok(t) if t == Durability::WRITEBACK => Ok(Durability::Writeback),
+        _ => Err(crate::core_err!(Config, "durable is {d}; expected true, false or \"{}\"", Durability::WRITEBACK).into()),
+    }
+}
+
 #[pymethods]
 impl Output {
     #[new]
-    #[pyo3(signature = (out_dir=None, *, format="hscapture".to_string(), writer_threads=4, writer_queue=8, durable=true, compress=None, model=String::new(), staging=false, staging_backlog_mib=2048, store=None))]
+    #[pyo3(signature = (out_dir=None, *, format="hscapture".to_string(), writer_threads=4, writer_queue=8, durable=None, compress=None, model=String::new(), staging=false, staging_backlog_mib=2048, store=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         out_dir: Option<PathBuf>,
         format: String,
         writer_threads: usize,
         writer_queue: usize,
-        durable: bool,
+        durable: Option<&Bound<'_, PyAny>>,
         compress: Option<i32>,
         model: String,
         staging: bool,
@@ -44,6 +59,7 @@ impl Output {
         store: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         guard("Output()", || {
+            let durability = durability(durable)?;
             let staging_backlog = staging_backlog_mib.checked_mul(1 << 20).ok_or_else(|| {
                 crate::core_err!(Config, "staging backlog of {staging_backlog_mib} MiB: expected at most {} MiB", u64::MAX >> 20)
             })?;
@@ -54,7 +70,7 @@ impl Output {
                 model,
                 threads: writer_threads,
                 queue: writer_queue,
-                durable,
+                durability,
                 staging,
                 staging_backlog,
                 slow_disk: SlowDisk::default(),

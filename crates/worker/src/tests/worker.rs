@@ -22,7 +22,7 @@ fn out(root: Option<PathBuf>) -> OutputSettings {
         model: "m".into(),
         threads: 2,
         queue: 2,
-        durable: false,
+        durability: crate::output::atomic::Durability::Rename,
         staging: false,
         staging_backlog: 1 << 30,
         slow_disk: Default::default(),

@@ -24,7 +24,7 @@ from .. import _native
 
 def write_json(path: Path, value, durable: bool = True) -> None:
     """A JSON document, written atomically (and durably)."""
-    _native.write_file(str(path), json.dumps(value, indent=2).encode(), durable)
+    _native.write_file(str(path), json.dumps(value, indent=2).encode(), durable is True)
 
 
 @dataclass(frozen=True)

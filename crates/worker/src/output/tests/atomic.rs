@@ -20,6 +20,23 @@ fn file_appears_whole_and_leftovers_are_removed() {
 }
 
 #[test]
+fn writeback_hands_the_placed_file_over_and_syncs_it_wherever_it_went() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("r.safetensors");
+    let (written, file) = write_placed(&p, Durability::Writeback, |w| w.write_all(b"rows")).unwrap();
+    assert_eq!(written.bytes, 4);
+    assert_eq!(fs::read(&p).unwrap(), b"rows", "in place before the writeback");
+    let moved = d.path().join("moved.safetensors");
+    fs::rename(&p, &moved).unwrap(); // a client takes the file at once
+    writeback(file.expect("writeback returns the open file"), &moved).unwrap();
+    assert_eq!(fs::read(&moved).unwrap(), b"rows");
+    for level in [Durability::Rename, Durability::Fsync] {
+        let (_, file) = write_placed(&d.path().join(format!("{level:?}")), level, |w| w.write_all(b"x")).unwrap();
+        assert!(file.is_none(), "{level:?} leaves nothing to write back");
+    }
+}
+
+#[test]
 fn a_full_disk_is_named_and_leaves_nothing_behind() {
     let d = tempfile::tempdir().unwrap();
     let p = d.path().join("hs_0.safetensors");

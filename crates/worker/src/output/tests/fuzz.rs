@@ -5,6 +5,7 @@
 use proptest::prelude::*;
 
 use crate::attribution::plan::SampleKey;
+use crate::output::atomic::Durability;
 use crate::output::format::{by_name, decode_file};
 use crate::output::manifest::{Manifest, FORMAT};
 use crate::output::record::{Identity, SampleRecord};
@@ -45,7 +46,7 @@ fn sample(i: u64, rows: usize) -> Sample {
 /// A finished capture of two samples in `format`: its root and the two records.
 fn capture(format: &str, compress: Option<i32>) -> (tempfile::TempDir, Vec<SampleRecord>) {
     let d = tempfile::tempdir().unwrap();
-    let sink = FileSink::open(d.path(), by_name(format, compress).unwrap(), identity(format), false).unwrap();
+    let sink = FileSink::open(d.path(), by_name(format, compress).unwrap(), identity(format), Durability::Rename).unwrap();
     let recs = vec![sink.put(&sample(0, 5)).unwrap(), sink.put(&sample(1, 3)).unwrap()];
     drop(sink);
     let id = identity(format);

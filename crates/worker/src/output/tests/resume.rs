@@ -1,5 +1,6 @@
 use super::*;
 use crate::attribution::plan::SampleKey;
+use crate::output::atomic::Durability;
 use crate::output::record::Identity;
 use crate::output::sample::Sample;
 use crate::output::sink::{FileSink, Sink};
@@ -37,7 +38,7 @@ fn a_resume_keeps_only_files_its_ledger_vouches_for() {
     let d = tempfile::tempdir().unwrap();
     let root = d.path();
     let id = identity(vec![3]);
-    let sink = FileSink::open(root, by_name("hscapture", None).unwrap(), id.clone(), false).unwrap();
+    let sink = FileSink::open(root, by_name("hscapture", None).unwrap(), id.clone(), Durability::Rename).unwrap();
     for i in 0..4 {
         sink.put(&sample(i, 1)).unwrap();
     }
@@ -63,14 +64,14 @@ fn a_resume_keeps_only_files_its_ledger_vouches_for() {
 fn a_resume_with_other_settings_is_refused_naming_what_differs() {
     let d = tempfile::tempdir().unwrap();
     let id = identity(vec![3]);
-    let sink = FileSink::open(d.path(), by_name("hscapture", None).unwrap(), id.clone(), false).unwrap();
+    let sink = FileSink::open(d.path(), by_name("hscapture", None).unwrap(), id.clone(), Durability::Rename).unwrap();
     sink.put(&sample(0, 1)).unwrap();
     drop(sink);
     let e = plan(d.path(), &identity(vec![1, 3])).unwrap_err();
     assert_eq!(e.kind, crate::ErrorKind::Config);
     assert!(e.message.contains("layer ids: [3] vs [1, 3]"), "{e}");
     // A writer of other settings refuses the journal too, before writing anything.
-    let other = FileSink::open(d.path(), by_name("hscapture", None).unwrap(), identity(vec![1, 3]), false);
+    let other = FileSink::open(d.path(), by_name("hscapture", None).unwrap(), identity(vec![1, 3]), Durability::Rename);
     assert!(other.is_err());
     // The stored dtype may be left to vLLM: "auto" is checked by the workers instead.
     let auto = Identity { dtype: "auto".into(), ..id };
@@ -81,7 +82,7 @@ fn a_resume_with_other_settings_is_refused_naming_what_differs() {
 fn files_without_any_ledger_are_all_captured_again() {
     let d = tempfile::tempdir().unwrap();
     let id = identity(vec![3]);
-    let sink = FileSink::open(d.path(), by_name("hscapture", None).unwrap(), id.clone(), false).unwrap();
+    let sink = FileSink::open(d.path(), by_name("hscapture", None).unwrap(), id.clone(), Durability::Rename).unwrap();
     sink.put(&sample(5, 1)).unwrap();
     drop(sink);
     std::fs::remove_file(d.path().join(journal::FILE)).unwrap();

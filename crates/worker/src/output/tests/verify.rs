@@ -1,5 +1,6 @@
 use super::*;
 use crate::attribution::plan::SampleKey;
+use crate::output::atomic::Durability;
 use crate::output::manifest::FORMAT;
 use crate::output::record::Identity;
 use crate::output::sample::Sample;
@@ -30,7 +31,7 @@ fn write(root: &Path, i: u64, vals: &[f32]) -> SampleRecord {
         loss_mask: None,
         scales: None,
     };
-    let sink = FileSink::open(root, by_name("hscapture", None).unwrap(), identity(), false).unwrap();
+    let sink = FileSink::open(root, by_name("hscapture", None).unwrap(), identity(), Durability::Rename).unwrap();
     sink.put(&s).unwrap()
 }
 

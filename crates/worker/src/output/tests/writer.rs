@@ -1,5 +1,6 @@
 use super::*;
 use crate::attribution::plan::SampleKey;
+use crate::output::atomic::Durability;
 use crate::output::format::by_name;
 use crate::output::journal;
 use crate::output::record::Identity;
@@ -34,7 +35,7 @@ fn identity() -> Identity {
 }
 
 fn writer(root: &std::path::Path, threads: usize, queue: usize) -> Writer {
-    let sink = Arc::new(FileSink::open(root, by_name("hscapture", None).unwrap(), identity(), false).unwrap());
+    let sink = Arc::new(FileSink::open(root, by_name("hscapture", None).unwrap(), identity(), Durability::Rename).unwrap());
     Writer::start(sink, WriterConfig { threads, queue, pool: None, keep_records: true }, Failure::new()).unwrap()
 }
 

@@ -1,18 +1,18 @@
 //! The capture kernels on a CUDA device (`capture.cu`, and `fp8.cu` appended to it): compiled with NVRTC when a worker starts
 //! (never inside a forward or a CUDA-graph capture), loaded into the device's primary context (the one
-//! PyTorch uses), and launched on a raw stream handle — PyTorch's current stream, which `cudarc`'s
-//! safe API cannot adopt, so this module uses its `result` layer and says so.
+//! PyTorch uses) through `cudarc`'s owned types, and launched on PyTorch's current stream, which `cudarc` borrows
+//! (`wrap_borrowed_stream`: never destroyed here).
 //!
-//! Invariants: `CaptureKernel` holds one reference on the primary context (released on drop); the
-//! module stays loaded while the kernel exists; every entry point makes the primary context current
-//! on the calling thread first.
+//! Invariants: `CaptureKernel` holds the primary context (a `CudaContext`, released when its last holder goes)
+//! and the module (unloaded when its functions go); every entry point makes the context current on the calling
+//! thread first. The context does not track `CudaSlice` uses with events: its callers order their streams
+//! themselves (`capture/cuda/`).
 
 use std::collections::HashMap;
-use std::ffi::{c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::{result as cu, sys};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 
 use crate::cpu::KernelError;
 use crate::dtype::DType;
@@ -108,57 +108,53 @@ pub struct Fp8Args {
 }
 
 pub struct CaptureKernel {
-    dev: sys::CUdevice,
-    ctx: sys::CUcontext,
-    module: sys::CUmodule,
-    func: sys::CUfunction,
-    fp8: sys::CUfunction,
+    ctx: Arc<CudaContext>,
+    func: CudaFunction,
+    fp8: CudaFunction,
     pub arch: String,
 }
-
-// SAFETY: the handles are plain driver handles, valid on any thread once the context is made current,
-// which every method does first; the owner serialises use (one session per worker thread).
-unsafe impl Send for CaptureKernel {}
-// SAFETY: `&self` methods only make the context current and enqueue work; the driver API is thread-safe.
-unsafe impl Sync for CaptureKernel {}
 
 impl CaptureKernel {
     /// Compiles and loads the kernel for device `ordinal`.
     pub fn load(ordinal: i32) -> Result<CaptureKernel, KernelError> {
         guarded("loading the capture kernel", || {
-            cu::init().map_err(|e| err("cuInit", e))?;
-            let dev = cu::device::get(ordinal).map_err(|e| err("cuDeviceGet", e))?;
-            // SAFETY: `dev` comes from `device::get`.
-            let (major, minor) = unsafe {
-                (
-                    cu::device::get_attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
-                        .map_err(|e| err("compute capability", e))?,
-                    cu::device::get_attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
-                        .map_err(|e| err("compute capability", e))?,
-                )
-            };
-            // SAFETY: `dev` comes from `device::get`; the reference is released in Drop.
-            let ctx = unsafe { cu::primary_ctx::retain(dev) }.map_err(|e| err("cuDevicePrimaryCtxRetain", e))?;
-            // SAFETY: `ctx` is the retained primary context.
-            unsafe { cu::ctx::set_current(ctx) }.map_err(|e| err("cuCtxSetCurrent", e))?;
+            let ordinal = usize::try_from(ordinal).map_err(|e| err("device ordinal", e))?;
+            let ctx = CudaContext::new(ordinal).map_err(|e| err("cuDevicePrimaryCtxRetain", e))?;
+            // SAFETY: every CudaSlice of this context is ordered by its owner's events (capture/cuda/): freed only
+            // after its copy stream synchronised, used by other streams only after allocation synchronised, and
+            // written by one stream (the caller's) at a time.
+            unsafe { ctx.disable_event_tracking() };
+            let (major, minor) = ctx.compute_capability().map_err(|e| err("compute capability", e))?;
             let arch = format!("compute_{major}{minor}");
-            let image = CString::new(ptx_for(&arch)?).map_err(|e| err("PTX", e))?;
-            // SAFETY: `image` is a NUL-terminated PTX string that outlives the call.
-            let module = unsafe { cu::module::load_data(image.as_ptr() as *const c_void) }.map_err(|e| err("cuModuleLoadData", e))?;
-            let name = CString::new(NAME).map_err(|e| err("kernel name", e))?;
-            // SAFETY: `module` was just loaded.
-            let func = unsafe { cu::module::get_function(module, name) }.map_err(|e| err("cuModuleGetFunction", e))?;
-            let name = CString::new(NAME_FP8).map_err(|e| err("kernel name", e))?;
-            // SAFETY: as above.
-            let fp8 = unsafe { cu::module::get_function(module, name) }.map_err(|e| err("cuModuleGetFunction", e))?;
-            Ok(CaptureKernel { dev, ctx, module, func, fp8, arch })
+            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx_for(&arch)?)).map_err(|e| err("cuModuleLoadData", e))?;
+            let func = module.load_function(NAME).map_err(|e| err("cuModuleGetFunction", e))?;
+            let fp8 = module.load_function(NAME_FP8).map_err(|e| err("cuModuleGetFunction", e))?;
+            Ok(CaptureKernel { ctx, func, fp8, arch })
         })
+    }
+
+    /// The device's primary context, for the memory and streams that go with the kernel.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
     }
 
     /// Makes the kernel's context current on this thread.
     pub fn bind(&self) -> Result<(), KernelError> {
-        // SAFETY: `self.ctx` is the retained primary context, alive while `self` is.
-        guarded("cuCtxSetCurrent", || unsafe { cu::ctx::set_current(self.ctx) }.map_err(|e| err("cuCtxSetCurrent", e)))
+        guarded("cuCtxSetCurrent", || self.ctx.bind_to_thread().map_err(|e| err("cuCtxSetCurrent", e)))
+    }
+
+    /// The caller's stream (PyTorch's current stream), borrowed.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this device's primary context, kept alive by its owner while the
+    /// returned handle is used.
+    pub unsafe fn borrow_stream(&self, stream: u64) -> Arc<CudaStream> {
+        // SAFETY: the caller's contract, above.
+        unsafe { self.ctx.wrap_borrowed_stream(stream as sys::CUstream) }
+    }
+
+    fn config(n_rows: i32) -> LaunchConfig {
+        LaunchConfig { grid_dim: (n_rows as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
     }
 
     /// Enqueues one capture on `stream`.
@@ -167,32 +163,18 @@ impl CaptureKernel {
     /// Every pointer in `a` must be device memory of this context, large enough for the launch
     /// (`n_rows` source rows addressed through `src_rows`, `n_rows * width` outputs, `n_rows` sums and
     /// counts), and stay allocated until the launch has run on `stream`.
-    pub unsafe fn launch(&self, a: &LaunchArgs, stream: u64) -> Result<(), KernelError> {
+    pub unsafe fn launch(&self, a: &LaunchArgs, stream: &CudaStream) -> Result<(), KernelError> {
         if a.n_rows <= 0 {
             return Ok(());
         }
-        let (mut hidden, mut residual, mut hs, mut rs) = (a.hidden, a.residual, a.h_stride, a.r_stride);
-        let (mut in_dt, mut src, mut n, mut w) = (dtype_code(a.in_dtype), a.src_rows, a.n_rows, a.width);
-        let (mut out, mut out_dt, mut sums, mut bad) = (a.out, dtype_code(a.out_dtype), a.row_sums, a.nonfinite);
-        let mut params: [*mut c_void; 12] = [
-            &mut hidden as *mut u64 as *mut c_void,
-            &mut residual as *mut u64 as *mut c_void,
-            &mut hs as *mut i64 as *mut c_void,
-            &mut rs as *mut i64 as *mut c_void,
-            &mut in_dt as *mut i32 as *mut c_void,
-            &mut src as *mut u64 as *mut c_void,
-            &mut n as *mut i32 as *mut c_void,
-            &mut w as *mut i32 as *mut c_void,
-            &mut out as *mut u64 as *mut c_void,
-            &mut out_dt as *mut i32 as *mut c_void,
-            &mut sums as *mut u64 as *mut c_void,
-            &mut bad as *mut u64 as *mut c_void,
-        ];
+        let (in_dt, out_dt) = (dtype_code(a.in_dtype), dtype_code(a.out_dtype));
         guarded("launching the capture kernel", || {
-            // SAFETY: the parameters match the kernel's signature one for one and outlive the call
-            // (the driver copies them at launch); the memory contract is the caller's.
-            unsafe { cu::launch_kernel(self.func, (a.n_rows as u32, 1, 1), (BLOCK, 1, 1), 0, stream as sys::CUstream, &mut params) }
-                .map_err(|e| err("cuLaunchKernel", e))
+            let mut b = stream.launch_builder(&self.func);
+            b.arg(&a.hidden).arg(&a.residual).arg(&a.h_stride).arg(&a.r_stride).arg(&in_dt).arg(&a.src_rows);
+            b.arg(&a.n_rows).arg(&a.width).arg(&a.out).arg(&out_dt).arg(&a.row_sums).arg(&a.nonfinite);
+            // SAFETY: the arguments match the kernel's signature one for one (capture.cu); the memory contract is
+            // the caller's.
+            unsafe { b.launch(Self::config(a.n_rows)) }.map(|_| ()).map_err(|e| err("cuLaunchKernel", e))
         })
     }
 
@@ -201,46 +183,18 @@ impl CaptureKernel {
     /// # Safety
     /// Every pointer in `a` must be device memory of this context holding the extents `Fp8Args` describes, and
     /// stay allocated until the launch has run on `stream`.
-    pub unsafe fn launch_fp8(&self, a: &Fp8Args, stream: u64) -> Result<(), KernelError> {
+    pub unsafe fn launch_fp8(&self, a: &Fp8Args, stream: &CudaStream) -> Result<(), KernelError> {
         if a.n_rows <= 0 {
             return Ok(());
         }
-        let (mut arena, mut dt, mut stride, mut slots) = (a.arena, dtype_code(a.dtype), a.slot_stride, a.slots);
-        let (mut n, mut w, mut codes, mut scales) = (a.n_rows, a.width, a.codes, a.scales);
-        let mut params: [*mut c_void; 8] = [
-            &mut arena as *mut u64 as *mut c_void,
-            &mut dt as *mut i32 as *mut c_void,
-            &mut stride as *mut i64 as *mut c_void,
-            &mut slots as *mut i32 as *mut c_void,
-            &mut n as *mut i32 as *mut c_void,
-            &mut w as *mut i32 as *mut c_void,
-            &mut codes as *mut u64 as *mut c_void,
-            &mut scales as *mut u64 as *mut c_void,
-        ];
+        let dt = dtype_code(a.dtype);
         guarded("launching the fp8 kernel", || {
-            // SAFETY: the parameters match the kernel's signature one for one and outlive the call (the driver
-            // copies them at launch); the memory contract is the caller's.
-            unsafe { cu::launch_kernel(self.fp8, (a.n_rows as u32, 1, 1), (BLOCK, 1, 1), 0, stream as sys::CUstream, &mut params) }
-                .map_err(|e| err("cuLaunchKernel", e))
+            let mut b = stream.launch_builder(&self.fp8);
+            b.arg(&a.arena).arg(&dt).arg(&a.slot_stride).arg(&a.slots).arg(&a.n_rows).arg(&a.width);
+            b.arg(&a.codes).arg(&a.scales);
+            // SAFETY: the arguments match the kernel's signature one for one (fp8.cu); the memory contract is the
+            // caller's.
+            unsafe { b.launch(Self::config(a.n_rows)) }.map(|_| ()).map_err(|e| err("cuLaunchKernel", e))
         })
-    }
-
-    pub fn device(&self) -> sys::CUdevice {
-        self.dev
-    }
-}
-
-impl Drop for CaptureKernel {
-    fn drop(&mut self) {
-        let _ = guarded("unloading the capture kernel", || {
-            // SAFETY: the module was loaded by `load` and is unloaded once; the context reference
-            // taken there is released once.
-            unsafe {
-                let _ = cu::ctx::set_current(self.ctx);
-                let _ = cu::module::unload(self.module);
-                let _ = cu::primary_ctx::release(self.dev);
-            }
-            Ok(())
-        });
     }
 }

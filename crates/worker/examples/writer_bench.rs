@@ -70,7 +70,9 @@ fn run_writer(root: &Path, threads: usize, samples: Vec<Sample>) -> Result<f64, 
     };
     let t = Instant::now();
     let format = by_name("hscapture", None).map_err(|e| e.to_string())?;
-    let sink = std::sync::Arc::new(FileSink::open(root, format, identity, true).map_err(|e| e.to_string())?);
+    let sink = std::sync::Arc::new(
+        FileSink::open(root, format, identity, hscapture_worker::output::atomic::Durability::Fsync).map_err(|e| e.to_string())?,
+    );
     let cfg = WriterConfig { threads, queue: 2 * threads, pool: None, keep_records: true };
     let mut w = Writer::start(sink, cfg, Failure::new()).map_err(|e| e.to_string())?;
     for s in samples {

@@ -46,10 +46,10 @@ pub enum StepBuffer {
 }
 
 impl StepBuffer {
-    pub fn rows(&self) -> &(dyn StepRows + Sync) {
+    pub fn rows(&self) -> CoreResult<Box<dyn StepRows + Sync + '_>> {
         match self {
-            StepBuffer::Arena(a) => a,
-            StepBuffer::Pinned(d) => d.as_rows(),
+            StepBuffer::Arena(a) => Ok(Box::new(a)),
+            StepBuffer::Pinned(d) => d.rows(),
         }
     }
 }
@@ -139,7 +139,7 @@ fn run(rx: Receiver<Msg>, back: Sender<StepBuffer>, ready: Ready, failure: Failu
                     None => Ok(()),
                 };
                 let emit: Option<crate::capture::scatter::Emit<'_>> = if out.sink.is_some() && !hold { Some(&submit) } else { None };
-                let r = catch_unwind(AssertUnwindSafe(|| scatter.run(job, buf.rows(), emit)))
+                let r = catch_unwind(AssertUnwindSafe(|| buf.rows().and_then(|rows| scatter.run(job, &*rows, emit))))
                     .unwrap_or_else(|_| Err(core_err!(Output, "step {step}: the assembler thread panicked while copying rows")));
                 // The worker may be waiting for this buffer; it gets it back even after an error.
                 let _ = back.send(buf);

@@ -20,10 +20,11 @@ use hscapture_kernels::RowRun;
 
 /// One step's rows in a device path's pinned host buffer, handed out by `wait` and given back by
 /// `recycle`.
-pub trait PinnedStep: StepRows + Send + Sync {
+pub trait PinnedStep: Send + Sync {
     /// Which buffer of the device's ring this is.
     fn ring_slot(&self) -> usize;
-    fn as_rows(&self) -> &(dyn StepRows + Sync);
+    /// The rows, readable (a device's buffers answer once the copies into them are done).
+    fn rows(&self) -> CoreResult<Box<dyn StepRows + Sync + '_>>;
 }
 
 pub trait DeviceBackend: Send + Sync {

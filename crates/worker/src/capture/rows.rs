@@ -15,6 +15,46 @@ pub trait StepRows {
     }
 }
 
+impl<T: StepRows + ?Sized> StepRows for &T {
+    fn row(&self, slot: usize, row: usize) -> &[u8] {
+        (**self).row(slot, row)
+    }
+    fn nonfinite(&self, slot: usize, row: usize) -> u32 {
+        (**self).nonfinite(slot, row)
+    }
+    fn row_sum(&self, slot: usize, row: usize) -> u64 {
+        (**self).row_sum(slot, row)
+    }
+    fn scale(&self, row: usize) -> Option<f32> {
+        (**self).scale(row)
+    }
+}
+
+/// A step's rows borrowed slot by slot (a device's pinned buffers): per slot its rows (`row_bytes` each), their
+/// checksums and non-finite counts; with fp8 codes, a scale per row.
+pub struct SlotRows<'a> {
+    pub data: Vec<&'a [u8]>,
+    pub sums: Vec<&'a [u64]>,
+    pub bad: Vec<&'a [u32]>,
+    pub scales: Option<&'a [f32]>,
+    pub row_bytes: usize,
+}
+
+impl StepRows for SlotRows<'_> {
+    fn row(&self, slot: usize, row: usize) -> &[u8] {
+        &self.data[slot][row * self.row_bytes..(row + 1) * self.row_bytes]
+    }
+    fn nonfinite(&self, slot: usize, row: usize) -> u32 {
+        self.bad[slot][row]
+    }
+    fn row_sum(&self, slot: usize, row: usize) -> u64 {
+        self.sums[slot][row]
+    }
+    fn scale(&self, row: usize) -> Option<f32> {
+        self.scales.and_then(|s| s.get(row).copied())
+    }
+}
+
 /// The step checksum over the slots marked present (those this rank holds) of `rows` rows (see
 /// `hscapture_kernels::checksum`).
 pub fn step_checksum(rows_view: &dyn StepRows, present: &[bool], rows: usize) -> u64 {

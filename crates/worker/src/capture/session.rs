@@ -237,7 +237,9 @@ impl Session {
         };
         let (p, buf) = dev.collect_oldest()?;
         let present = self.protocol.slots().present();
-        let (mut out, job) = match self.accounting.account(self.protocol.config(), &p.plan, p.events, buf.as_rows(), &present, &present) {
+        let accounted =
+            buf.rows().and_then(|rows| self.accounting.account(self.protocol.config(), &p.plan, p.events, &*rows, &present, &present));
+        let (mut out, job) = match accounted {
             Ok(x) => x,
             Err(e) => {
                 dev.recycle(buf)?;

@@ -187,7 +187,7 @@ impl StepBuffers {
         match &mut self.scattering {
             Scattering::Inline(sc) => {
                 let r = match &pinned {
-                    Some(b) => sc.run(job, b.as_rows(), None),
+                    Some(b) => b.rows().and_then(|rows| sc.run(job, &*rows, None)),
                     None => sc.run(job, &self.arena, None),
                 };
                 if let Some(b) = pinned {

@@ -62,7 +62,9 @@ impl FileSink {
             core_err!(Output, "cannot create the output directory {}: {e}; choose a directory you can write", dir.display())
         })?;
         let (lock, journal, locks) = match layout {
-            Layout::Capture => (Some(WriterLock::acquire(root)?), Some(Journal::open(root, &identity, durability == Durability::Fsync)?), None),
+            Layout::Capture => {
+                (Some(WriterLock::acquire(root)?), Some(Journal::open(root, &identity, durability == Durability::Fsync)?), None)
+            }
             Layout::Staging(locks) => {
                 ensure!(
                     format.per_request_files(),

@@ -264,8 +264,8 @@ impl crate::capture::device::PinnedStep for HostBuf {
     fn ring_slot(&self) -> usize {
         self.slot
     }
-    fn as_rows(&self) -> &(dyn crate::capture::rows::StepRows + Sync) {
-        self
+    fn rows(&self) -> CoreResult<Box<dyn crate::capture::rows::StepRows + Sync + '_>> {
+        Ok(Box::new(self))
     }
 }
 

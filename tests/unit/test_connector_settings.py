@@ -86,7 +86,9 @@ def test_writeback_is_a_durability_between_rename_and_fsync(monkeypatch, tmp_pat
     base = {"hscapture": {"layers": [1], "convention": "before"}}
     assert from_sources(base, {"out": "/d"}).durable == _native.DURABLE_WRITEBACK
     monkeypatch.delenv("HSCAPTURE_DURABLE")
-    assert from_sources({"hscapture": {**base["hscapture"], "durable": "writeback"}}, {"out": "/d"}).durable == "writeback"
+    assert (
+        from_sources({"hscapture": {**base["hscapture"], "durable": "writeback"}}, {"out": "/d"}).durable == "writeback"
+    )
     _native.Output(str(tmp_path), durable=_native.DURABLE_WRITEBACK, staging=True)
     with pytest.raises(ConfigError, match="writeback"):
         from_sources({"hscapture": {**base["hscapture"], "durable": "later"}}, {"out": "/d"})

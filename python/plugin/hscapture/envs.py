@@ -291,7 +291,12 @@ def get(name: str):
             return [int(x) for x in ids]
         return v
     except ValueError:
-        expect = {"int": "an integer", "bool": "1 or 0", "durable": f"1, 0 or {_native.DURABLE_WRITEBACK}", "ids": "comma-separated integers such as `2,4,5`"}[var.kind]
+        expect = {
+            "int": "an integer",
+            "bool": "1 or 0",
+            "durable": f"1, 0 or {_native.DURABLE_WRITEBACK}",
+            "ids": "comma-separated integers such as `2,4,5`",
+        }[var.kind]
         raise ConfigError(f"{name}={v!r} is not valid: expected {expect}") from None
 
 

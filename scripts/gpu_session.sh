@@ -17,6 +17,7 @@
 # (vllm serve with each hidden-states path, driven by speculators' own generate-offline-data: plain, hscapture's
 # connector file and fp8, vLLM's extract_hidden_states with its own and hs_connectors' fp8 connector; decode with
 # include_output_tokens), MODELS, SERVE_MODES, SAMPLES and DECODE narrowing it;
+# disk = bench/disk_writeback.py on the machine's disk (DISK_FILES files of 58.7 MB per mode);
 # tp2 (nvidia-h200-x2) = the same benchmark at tensor-parallel 2 (modes plain,hscapture,vllm by default).
 # (The DeepSeek-V3 TP=2 vs TP=1 check in float32 cannot run there: vLLM 0.23 has no float32 MLA backend.)
 # Logs go to $OUT (they come back with the call).
@@ -82,13 +83,17 @@ case "$what" in
       pkill -f "vllm.entrypoints.cli.main serve" || true  # a server the limit cut off (its own session) holds the GPU
       (cd "$disk" && tar czf "$out/serve-logs.tgz" ./*.log) || true
     fi
+    if [[ ",$parts," == *",disk,"* ]]; then  # how this disk takes sample-sized files: no sync, fsync, sync_file_range
+      python3 bench/disk_writeback.py --dir /var/tmp/hswb --modes none,fsync,sfr,none --files "${DISK_FILES:-160}" \
+        --threads 16 2>&1 | tee "$out/disk.log"
+    fi
     if [[ ",$parts," == *",durable,"* ]]; then
       python3 bench/gpu.py --models llama8b --modes plain,hscapture_durable \
         --prompts 64 --batch 16 --length 1024 --rounds 2 2>&1 | tee "$out/durable.log"
     fi
     ;;
   *)
-    echo "usage: $0 stage | install | run [tests,bench,fp8,serve,durable,compiled,tp2]" >&2
+    echo "usage: $0 stage | install | run [tests,bench,fp8,serve,disk,durable,compiled,tp2]" >&2
     exit 2
     ;;
 esac

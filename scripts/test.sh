@@ -16,19 +16,28 @@ LD_LIBRARY_PATH="${NVRTC}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" cargo test --wor
 # The GPU suite skips here; collecting it imports every one of its modules (a renamed import fails CI, not the H200).
 echo "[test] pytest --collect-only tests/gpu"
 "$VENV/bin/python" -m pytest --collect-only -q -p no:cacheprovider tests/gpu | tail -1
-# The two vLLM suites run side by side: a vLLM test on CPU keeps about 1.2 of 2 cores busy (start-up and imports
-# wait on one thread), so together they finish sooner than one after the other. Their caches do not meet (tiny
-# models are kept per transformers major, pytest's temporary folders are apart). HSCAPTURE_TEST_SERIAL=1 runs one
-# after the other.
+# Two lanes run side by side: a vLLM test on CPU keeps about 1.2 of 2 cores busy (start-up and imports wait on one
+# thread), so two lanes finish sooner than one. Lane 1 runs the newest build's tests, then the vLLM 0.16 tests of
+# LANE1_FILES; lane 2 runs every other test on vLLM 0.16 (a new test file lands there). LANE1_FILES is chosen so
+# that the lanes end together (2026-12-02, development machine: newest 16 min + these 5.6 min, the rest 21.5 min).
+# Their caches do not meet (tiny models are kept per transformers major, each lane has its own pytest temporary
+# folder). HSCAPTURE_TEST_SERIAL=1 runs one lane after the other.
+LANE1_FILES=(tests/integration/test_lifetime.py tests/integration/test_speculators.py tests/integration/test_serve.py
+  tests/integration/test_multimodal.py)
 NEWEST_RC=0
 if [ "${HSCAPTURE_NEWEST:-1}" != "0" ]; then
   NEWEST_LOG=$(mktemp -t hscapture-newest.XXXXXX.log)
   NEWEST_TMP=$(mktemp -d -t hscapture-newest.XXXXXX)
   if [ "${HSCAPTURE_NEWEST:-1}" = "all" ]; then MARK=(); else MARK=(-m newest); fi
   run_newest() {
+    local rc=0
     echo "[test] pytest: integration on $("$NEWEST_VENV/bin/python" -c 'import vllm; print("vLLM", vllm.__version__)') (the newest CPU build)"
     "$NEWEST_VENV/bin/python" -m pytest tests/integration -q --durations=12 -p no:cacheprovider \
-      --basetemp "$NEWEST_TMP/pytest" "${MARK[@]}" "$@"
+      --basetemp "$NEWEST_TMP/pytest" "${MARK[@]}" "$@" || rc=$?
+    echo "[test] pytest: ${LANE1_FILES[*]} on $("$VENV/bin/python" -c 'import vllm; print("vLLM", vllm.__version__)')"
+    "$VENV/bin/python" -m pytest "${LANE1_FILES[@]}" -q --durations=12 -p no:cacheprovider \
+      --basetemp "$NEWEST_TMP/pytest-lane1" "$@" || rc=$?
+    return $rc
   }
   if [ "${HSCAPTURE_TEST_SERIAL:-0}" = "1" ]; then
     run_newest "$@" >"$NEWEST_LOG" 2>&1 || NEWEST_RC=$?
@@ -40,7 +49,13 @@ if [ "${HSCAPTURE_NEWEST:-1}" != "0" ]; then
 fi
 echo "[test] pytest: unit, integration on $("$VENV/bin/python" -c 'import vllm; print("vLLM", vllm.__version__)'); GPU tests skip without CUDA"
 MAIN_RC=0
-"$VENV/bin/python" -m pytest tests -q --durations=12 "$@" || MAIN_RC=$?
+LANE2=(tests)
+if [ -n "${NEWEST_LOG:-}" ]; then  # lane 1 runs these on vLLM 0.16 after the newest build's tests
+  for f in "${LANE1_FILES[@]}"; do LANE2+=(--ignore "$f"); done
+fi
+MAIN_TMP=$(mktemp -d -t hscapture-main.XXXXXX)
+"$VENV/bin/python" -m pytest "${LANE2[@]}" -q --durations=12 -p no:cacheprovider --basetemp "$MAIN_TMP/pytest" "$@" || MAIN_RC=$?
+rm -rf "$MAIN_TMP"
 if [ -n "${NEWEST_PID:-}" ]; then
   wait "$NEWEST_PID" || NEWEST_RC=$?
   trap - EXIT

@@ -10,7 +10,10 @@ Models are saved with ``save_pretrained``; a WordLevel tokenizer is added so tha
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import shutil
 from pathlib import Path
 
 VOCAB = 1024
@@ -137,14 +140,35 @@ def build(kind: str, path: str | Path, seed: int = 0, tokenizer: bool = True, dt
     """Builds tiny model ``kind`` (``llama``, ``deepseek_v2``, ``deepseek_v3``, ``qwen2_vl``) at ``path``, weights saved
     in ``dtype`` (what ``dtype="auto"`` loads); returns the path. Reuses an identical earlier build.
     """
+    path = Path(path)
+    want = {"kind": kind, "seed": seed, "tokenizer": tokenizer, "version": VERSION, "dtype": dtype}
+    if _built(path, want):
+        return path
+    # Test processes share the cache (the suites run side by side): one builds, under a lock, into a folder of its
+    # own that is renamed into place whole; the others wait and reuse it.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _built(path, want):
+            return path
+        part = path.parent / f".{path.name}.part-{os.getpid()}"
+        shutil.rmtree(part, ignore_errors=True)
+        _build(kind, part, seed, tokenizer, dtype)
+        (part / "hscapture_tiny.json").write_text(json.dumps(want))
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(part, path)
+    return path
+
+
+def _built(path: Path, want: dict) -> bool:
+    stamp = path / "hscapture_tiny.json"
+    return stamp.exists() and json.loads(stamp.read_text()) == want
+
+
+def _build(kind: str, path: Path, seed: int, tokenizer: bool, dtype: str) -> None:
     import torch
     import transformers as tf
 
-    path = Path(path)
-    stamp = path / "hscapture_tiny.json"
-    want = {"kind": kind, "seed": seed, "tokenizer": tokenizer, "version": VERSION, "dtype": dtype}
-    if stamp.exists() and json.loads(stamp.read_text()) == want:
-        return path
     torch.manual_seed(seed)
     if kind == "llama":
         cfg = tf.LlamaConfig(
@@ -189,8 +213,6 @@ def build(kind: str, path: str | Path, seed: int = 0, tokenizer: bool = True, dt
         _save_qwen2_vl_processor(path, cfg.vision_config)
     elif tokenizer:
         _save_tokenizer(path)
-    stamp.write_text(json.dumps(want))
-    return path
 
 
 def _randomize_buffers(model) -> None:

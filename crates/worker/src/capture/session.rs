@@ -405,6 +405,10 @@ impl Drop for Session {
 pub(crate) mod tests;
 
 #[cfg(test)]
+#[path = "tests/host_device.rs"]
+mod host_device;
+
+#[cfg(test)]
 #[path = "tests/quantized.rs"]
 mod quantized;
 

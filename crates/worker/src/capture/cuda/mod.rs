@@ -46,7 +46,7 @@ pub struct CudaDevice {
     copy: Arc<CudaStream>,
     /// Per slot: recorded on the captures' stream after the slot's kernel (slot 0's after the fp8 kernel too).
     slot_done: Vec<CudaEvent>,
-    /// The stream the step's captures ran on, borrowed (the fp8 kernel follows them there).
+    /// The caller's stream the last capture ran on, borrowed (the fp8 kernel follows the step's captures there).
     stream: Option<Arc<CudaStream>>,
     quantize: bool,
     src_rows: Vec<i32>,
@@ -215,9 +215,17 @@ impl DeviceBackend for CudaDevice {
             None => 0,
         };
         self.kernel.bind().map_err(kerr)?;
-        // SAFETY: `stream` is the caller's current stream on this device (the trait's contract), alive while its
-        // work runs; the handle is only used to enqueue this slot's work.
-        let s = unsafe { self.kernel.borrow_stream(stream) };
+        // The caller's stream, borrowed once per stream rather than once per slot (no allocation per capture).
+        let s = match &self.stream {
+            Some(s) if s.cu_stream() as u64 == stream => Arc::clone(s),
+            _ => {
+                // SAFETY: `stream` is the caller's current stream on this device (the trait's contract), alive while
+                // its work runs; the handle enqueues this step's work and is replaced when the caller's stream changes.
+                let s = unsafe { self.kernel.borrow_stream(stream) };
+                self.stream = Some(Arc::clone(&s));
+                s
+            }
+        };
         let (n, cap, rb) = (self.rows, self.arena.capacity, self.arena.row_bytes());
         if let Some(prev) = self.ring.last_copies() {
             // The arena (and the row index) still hold the previous step until its copies ran: the
@@ -250,7 +258,6 @@ impl DeviceBackend for CudaDevice {
         // SAFETY: the arena's buffers are this device's allocations sized for `capacity` rows per slot (n <= capacity,
         // `reset`); the tensors' memory is the caller's contract (alive until the stream has run the kernel).
         unsafe { self.kernel.launch(&args, &s) }.map_err(kerr)?;
-        self.stream = Some(Arc::clone(&s));
         if n == 0 {
             return Ok(());
         }

@@ -4,14 +4,16 @@ extract_hidden_states vs a speculators-style Python capture, side by side in one
     python3 bench/gpu.py --models llama8b,dsv3 --prompts 128 --batch 16 --length 1024 --rounds 2
 
 Each (model, mode) runs in its own process (bench/gpu_run.py); modes alternate per model. Prints
-tokens/s, each ratio to plain prefill, and the ceilings measured in the same invocation (D2H into
-pinned memory, local-disk write with fdatasync). Random weights (load_format="dummy"), bf16, eager,
-`max_tokens=1`. Capture files go to --out (page cache) except `hscapture_durable` (fsync per file).
-Modes: plain, hscapture (background assembly, overlapped steps), hscapture_inline (scatter on the
-worker's thread), hscapture_serial (each device step collected when the next begins), hscapture_durable,
-vllm, python; compiled: plain_compiled and hscapture_compiled (vLLM's torch.compile without CUDA graphs,
-HSCAPTURE_CUDA_COMPILE=1), plain_graphs (vLLM's default compiled engine with CUDA graphs, which capture
-cannot run in); compiled modes are also compared with plain_compiled.
+tokens/s, each ratio to plain (eager) and to plain_graphs (vLLM's defaults) when they ran, the host time per step
+of each hscapture mode, and the ceilings measured in the same invocation (D2H into pinned memory, local-disk write
+with fdatasync). Random weights (load_format="dummy"), bf16, `max_tokens=1` unless --decode. Capture files go to
+--out (page cache) except `hscapture_durable` (fsync per file).
+Modes: plain, hscapture (eager; background assembly, overlapped steps), hscapture_inline (scatter on the worker's
+thread), hscapture_serial (each device step collected when the next begins), hscapture_durable, vllm, python;
+plain_graphs and hscapture_graphs (vLLM's defaults: torch.compile and CUDA graphs); plain_compiled and
+hscapture_compiled (torch.compile without CUDA graphs).
+--decode N: every request also generates N tokens, and the hscapture modes capture prompt and response through the
+KV connector (`include_output_tokens`), one `generate` per batch, vLLM's default chunked prefill.
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="/tmp/hsbench")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every run")
+    ap.add_argument("--decode", type=int, default=0, help="tokens each request generates (0: prefill only)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -156,6 +159,7 @@ def main() -> None:
                 LAYERS[name],
                 str(args.rounds),
                 str(args.tp),
+                str(args.decode),
             ]
             t = time.perf_counter()
             r = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -181,9 +185,13 @@ def main() -> None:
                 f"process {time.perf_counter() - t:.0f} s)",
                 flush=True,
             )
+            if "host_us_per_step" in res:
+                print(
+                    f"[{name}/{mode}] host µs per step over {res['steps']} steps: {res['host_us_per_step']}", flush=True
+                )
             subprocess.run(["rm", "-rf", str(run_out)])
         # Ratios to plain eager prefill, and (compiled modes) to plain compiled prefill without CUDA graphs.
-        for ref in ("plain", "plain_compiled"):
+        for ref in ("plain", "plain_graphs", "plain_compiled"):
             if ref not in results:
                 continue
             label = name if ref == "plain" else f"{name} vs {ref}"

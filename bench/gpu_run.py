@@ -1,5 +1,10 @@
-"""One benchmark run (a fresh process per run): MODE MODEL_DIR OUT_DIR PROMPTS BATCH LENGTH LAYERS [ROUNDS [TP]]
-Prints one JSON line: tokens, seconds (best round), per-round figures. See bench/gpu.py."""
+"""One benchmark run (a fresh process per run): MODE MODEL_DIR OUT_DIR PROMPTS BATCH LENGTH LAYERS [ROUNDS [TP [DECODE]]]
+Prints one JSON line: tokens, seconds (best round), per-round figures, and for hscapture modes the host time each
+step spent in the capture (``hscapture_stats``). See bench/gpu.py.
+
+DECODE > 0: each request also generates DECODE tokens (greedy, ``ignore_eos``), and hscapture modes capture prompt
+and response in one pass through its KV connector (``include_output_tokens``), files in OUT_DIR; vLLM's default
+``max_num_batched_tokens`` (chunked prefill). DECODE = 0: prefill only (``max_tokens=1``), one step per batch."""
 
 import json
 import os
@@ -9,12 +14,12 @@ import time
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # hscapture reads the V1 runner's order; every mode runs V1
 
 if __name__ == "__main__":
     mode, model, out, n_prompts, batch, length, layers = sys.argv[1:8]
     rounds = int(sys.argv[8]) if len(sys.argv) > 8 else 2
     tp = int(sys.argv[9]) if len(sys.argv) > 9 else 1
+    decode = int(sys.argv[10]) if len(sys.argv) > 10 else 0
     n_prompts, batch, length = int(n_prompts), int(batch), int(length)
     ids = [int(x) for x in layers.split(",")]
     import random
@@ -27,9 +32,9 @@ if __name__ == "__main__":
         skip_tokenizer_init=True,
         enforce_eager=True,
         dtype="bfloat16",
-        max_model_len=length + 16,
+        max_model_len=length + decode + 16,
         max_num_seqs=batch,
-        max_num_batched_tokens=batch * length,
+        **({} if decode else {"max_num_batched_tokens": batch * length}),
         gpu_memory_utilization=0.85,
         enable_prefix_caching=False,
         seed=0,
@@ -37,11 +42,10 @@ if __name__ == "__main__":
     )
     if os.environ.get("HSBENCH_ASYNC") in ("0", "1"):  # vLLM's asynchronous scheduling forced off/on (every mode)
         kw["async_scheduling"] = os.environ["HSBENCH_ASYNC"] == "1"
-    if mode.endswith("_compiled"):  # vLLM's torch.compile (Inductor) without CUDA graphs; hscapture's opt-in
+    if mode.endswith("_compiled"):  # vLLM's torch.compile (Inductor) without CUDA graphs
         kw["enforce_eager"] = False
         kw["compilation_config"] = {"cudagraph_mode": "NONE"}
-        os.environ["HSCAPTURE_CUDA_COMPILE"] = "1"
-    if mode == "plain_graphs":  # vLLM's default compiled engine with CUDA graphs (what capture cannot run in)
+    if mode.endswith("_graphs"):  # vLLM's defaults: torch.compile and CUDA graphs (FULL_AND_PIECEWISE)
         kw["enforce_eager"] = False
     if mode == "hscapture_inline":  # the scatter on the worker's thread, as before the assembler thread
         os.environ["HSCAPTURE_ASSEMBLY"] = "inline"
@@ -49,7 +53,19 @@ if __name__ == "__main__":
         os.environ["HSCAPTURE_DEVICE_OVERLAP"] = "0"
     if mode == "hscapture_fp8_host":  # fp8 files quantized in the writer threads instead of on the GPU
         os.environ["HSCAPTURE_FP8_ON_DEVICE"] = "0"
-    if mode.startswith("hscapture"):
+    if mode.startswith("hscapture") and decode:  # prompt and response through the KV connector, as a server does
+        from vllm.config import KVTransferConfig
+
+        kw["worker_cls"] = "hscapture.worker.CaptureWorker"
+        kw["additional_config"] = {"hscapture": {"layers": ids, "convention": "after"}}
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="HscaptureConnector",
+            kv_connector_module_path="hscapture.connector",
+            kv_role="kv_producer",
+            kv_connector_extra_config={"shared_storage_path": out, "format": "file"},
+        )
+        os.makedirs(out, exist_ok=True)
+    elif mode.startswith("hscapture"):
         kw["worker_cls"] = "hscapture.worker.CaptureWorker"
         kw["additional_config"] = {
             "hscapture": {
@@ -84,29 +100,53 @@ if __name__ == "__main__":
     prompts = [
         {"prompt_token_ids": [rng.randrange(10, cfg["vocab_size"]) for _ in range(length)]} for _ in range(n_prompts)
     ]
-    sp = SamplingParams(max_tokens=1, detokenize=False)
+    capture = mode.startswith("hscapture")
+    extra = {"kv_transfer_params": {"include_output_tokens": True}} if capture and decode else None
+    sp = SamplingParams(max_tokens=max(decode, 1), detokenize=False, ignore_eos=True, temperature=0.0, extra_args=extra)
+
+    def run_round():
+        for b in range(0, len(prompts), batch):  # one generate per batch, as a client sends them
+            llm.generate(prompts[b : b + batch], sp, use_tqdm=False)
+
+    def clear():  # the connector's files: read by nobody here; removed so that disk space stays flat
+        if capture and decode:
+            for f in os.listdir(out):
+                os.unlink(os.path.join(out, f))
+
     llm.generate(prompts[:batch], sp, use_tqdm=False)  # warm-up
-    if mode.startswith("hscapture"):
+    if capture:
         llm.collective_rpc("hscapture_drain")
+        clear()
+        base_stats = [r for r in llm.collective_rpc("hscapture_stats") if r][0]
     per, drains, parts = [], [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
-        llm.generate(prompts, sp, use_tqdm=False)
+        run_round()
         t1 = time.perf_counter()
-        if mode.startswith("hscapture"):
+        if capture:
             res = [r for r in llm.collective_rpc("hscapture_drain") if r and r.get("writer")]
             path = res[0]["device_path"] if res else "?"
             parts.append(res[0].get("seconds") if res else None)
         per.append(time.perf_counter() - t0)
         drains.append(time.perf_counter() - t1)  # the run's tail: the last step's copy, assembly and writes
+        clear()
     info = {
         "mode": mode,
-        "tokens": n_prompts * length,
+        "tokens": n_prompts * (length + decode),
+        "generated": n_prompts * decode,
         "seconds": min(per),
         "rounds": per,
         "drains": drains,
         "drain_parts": parts,
     }
-    if mode.startswith("hscapture"):
+    if capture:
         info["device_path"] = path
+        st = [r for r in llm.collective_rpc("hscapture_stats") if r][0]
+        steps = max(1, st["host_ns_steps"] - base_stats["host_ns_steps"])
+        info["host_us_per_step"] = {
+            k: round((v - base_stats.get(k, 0)) / steps / 1e3, 1)
+            for k, v in st.items()
+            if k.startswith(("host_ns_", "ns_")) and k != "host_ns_steps"
+        }
+        info["steps"] = steps
     print("BENCH_JSON " + json.dumps(info), flush=True)

@@ -11,8 +11,9 @@
 # TESTS (environment) narrows the tests part to given pytest paths/node ids;
 # MODELS, MODES and PROMPTS (environment) override the bench part's defaults; HSBENCH_ASYNC=0|1 forces
 # vLLM's asynchronous scheduling off/on in every mode (does hscapture's per-step wait cost the overlap?);
-# compiled = eager vs torch.compile (no CUDA graphs) vs CUDA graphs, Llama shape
-# (modes plain,hscapture,plain_compiled,hscapture_compiled,plain_graphs) and the compiled GPU oracle test;
+# graphs = prefill under vLLM's defaults (torch.compile and CUDA graphs) vs eager, 512 prompts, Llama-8B and DeepSeek-V3
+# shapes (modes plain_graphs,hscapture_graphs,hscapture,plain); decode = prompt and response captured in one pass
+# (include_output_tokens through the KV connector), 256 requests × 512 + 128 generated tokens, batch 64, the same modes;
 # fp8 = bf16 vs fp8 files (modes plain,hscapture,hscapture_fp8,hscapture_fp8_host); serve = bench/serve.py
 # (vllm serve with each hidden-states path, driven by speculators' own generate-offline-data: plain, hscapture's
 # connector file and fp8, vLLM's extract_hidden_states with its own and hs_connectors' fp8 connector; decode with
@@ -64,11 +65,13 @@ case "$what" in
       python3 bench/gpu.py --tp 2 --models "${MODELS:-llama8b,dsv3}" --modes "${MODES:-plain,hscapture,vllm}" \
         --prompts "${PROMPTS:-64}" --batch 16 --length 1024 --rounds 2 2>&1 | tee "$out/tp2-bench.log"
     fi
-    if [[ ",$parts," == *",compiled,"* ]]; then
-      python3 -m pytest tests/gpu/test_oracle_gpu.py -k compiled -q -s 2>&1 | tail -15 | tee "$out/compiled-test.log"
-      python3 bench/gpu.py --models "${MODELS:-llama8b}" \
-        --modes "${MODES:-plain,hscapture,plain_compiled,hscapture_compiled,plain_graphs}" \
-        --prompts "${PROMPTS:-64}" --batch 16 --length 1024 --rounds 2 2>&1 | tee "$out/compiled-bench.log"
+    if [[ ",$parts," == *",decode,"* ]]; then
+      python3 bench/gpu.py --models "${MODELS:-llama8b}" --modes "${MODES:-plain_graphs,hscapture_graphs,hscapture,plain}" \
+        --prompts "${PROMPTS:-256}" --batch 64 --length 512 --decode 128 --rounds "${ROUNDS:-2}" 2>&1 | tee "$out/decode-bench.log"
+    fi
+    if [[ ",$parts," == *",graphs,"* ]]; then
+      python3 bench/gpu.py --models "${MODELS:-llama8b,dsv3}" --modes "${MODES:-plain_graphs,hscapture_graphs,hscapture,plain}" \
+        --prompts "${PROMPTS:-512}" --batch 16 --length 1024 --rounds "${ROUNDS:-2}" 2>&1 | tee "$out/graphs-bench.log"
     fi
     if [[ ",$parts," == *",fp8,"* ]]; then  # bf16 vs fp8 files (quantized on the GPU, or in the writer threads)
       python3 bench/gpu.py --models "${MODELS:-llama8b,dsv3}" --modes "${MODES:-plain,hscapture,hscapture_fp8,hscapture_fp8_host}" \
@@ -93,7 +96,7 @@ case "$what" in
     fi
     ;;
   *)
-    echo "usage: $0 stage | install | run [tests,bench,fp8,serve,disk,durable,compiled,tp2]" >&2
+    echo "usage: $0 stage | install | run [tests,bench,fp8,serve,disk,durable,decode,graphs,tp2]" >&2
     exit 2
     ;;
 esac

@@ -17,3 +17,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if HERE in Path(str(item.fspath)).resolve().parents:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def engine(request, monkeypatch) -> bool:
+    """Parametrized with ``engines.ENGINES`` (``indirect``): sets the runner; returns whether vLLM runs with its
+    defaults (compiled, CUDA graphs) rather than eager."""
+    runner, defaults = request.param
+    if runner == "v1":
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    else:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.setenv("HSCAPTURE_DEVICE_PATH", "required")
+    return defaults

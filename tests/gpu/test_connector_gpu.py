@@ -1,4 +1,5 @@
-"""The KV-connector face on the GPU, through ``LLM.generate`` (the engine ``vllm serve`` runs): ``file`` and ``fp8``
+"""The KV-connector face on the GPU, through ``LLM.generate`` with vLLM's defaults (the engine ``vllm serve`` runs:
+torch.compile and CUDA graphs, on vLLM's default model runner): ``file`` and ``fp8``
 (quantized on the device, and in the writer threads), with vLLM's engine process and with the engine in the caller's
 process. 72 prompts of 3..300 tokens, chunked prefill (96-token steps), one ``generate`` per 16 prompts as
 speculators' clients send them; after each ``generate`` the driver does what the client does (waits for each file's
@@ -7,7 +8,9 @@ lock, reads it, removes it) under a deadline, so a file that never appears fails
 Every file is checked against hscapture's offline capture of the same prompts with one request per step
 (``max_num_seqs=1`` on both sides: the same steps, so the same bits): ``file`` equal bit for bit, ``fp8`` equal to
 speculators' ``quantize_tensor_to_fp8`` of those states bit for bit. A second run with requests sharing steps
-(16 per ``generate``, fp8 on the device) checks every file whole, in time, and within fp8's rounding of the same states."""
+(16 per ``generate``, fp8 on the device) checks every file whole, in time, and within fp8's rounding of the same states.
+Prompt and response captured in one pass (``include_output_tokens``, decode replayed from FULL CUDA graphs) equal
+HF transformers on the same tokens, and change no generated token."""
 
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from vllm.config import KVTransferConfig
 if __name__ == "__main__":
     model, stage, keep, fmt, prompts_file, seqs = sys.argv[1:7]
     prompts = json.load(open(prompts_file))
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, skip_tokenizer_init=True, gpu_memory_utilization=0.3,
+    llm = LLM(model=model, dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
               max_model_len=512, max_num_batched_tokens=STEP_TOKENS, max_num_seqs=int(seqs),
               enable_prefix_caching=False, seed=0, worker_cls="hscapture.worker.CaptureWorker",
               additional_config={"hscapture": {"layers": LAYERS, "convention": "before"}},
@@ -111,6 +114,7 @@ def offline(tmp_path_factory, tiny_model):
             progress=False,
             max_model_len=512,
             durable=False,
+            compile=True,  # vLLM's defaults, as the connector's engine: the same kernels, so the same bits
             llm_kwargs={"gpu_memory_utilization": 0.3, "max_num_seqs": 1},
         )
     )
@@ -169,13 +173,13 @@ def test_connector_with_shared_steps_answers_every_request_in_time(tmp_path, off
 
 
 _TOKENS = r"""
-import json, sys
+import fcntl, json, os, shutil, sys, time
 from vllm import LLM, SamplingParams
 from vllm.config import KVTransferConfig
 if __name__ == "__main__":
-    model, stage, capture, prompts_file = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+    model, stage, keep, capture, prompts_file = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1", sys.argv[5]
     prompts = json.load(open(prompts_file))[:12]
-    kw = dict(model=model, dtype="float32", enforce_eager=True, skip_tokenizer_init=True, gpu_memory_utilization=0.3,
+    kw = dict(model=model, dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
               max_model_len=512, max_num_batched_tokens=STEP_TOKENS, enable_prefix_caching=False, seed=0)
     if capture:
         kw |= dict(worker_cls="hscapture.worker.CaptureWorker",
@@ -190,26 +194,53 @@ if __name__ == "__main__":
         sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, detokenize=False, extra_args=extra)
         (o,) = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
         out.append(list(o.outputs[0].token_ids))
+        path = (o.kv_transfer_params or {}).get("hidden_states_path") if capture else None
+        if path:
+            with open(path + ".lock", "rb") as f:
+                deadline = time.time() + 120
+                while True:
+                    try:
+                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        assert time.time() < deadline, f"{path} still locked"
+                        time.sleep(0.01)
+            shutil.move(path, os.path.join(keep, f"{k}.safetensors"))
+            os.unlink(path + ".lock")
     print("TOKENS " + json.dumps(out), flush=True)
 """
 
 
-def test_capture_changes_no_generated_token(tmp_path, offline):
+def test_capture_changes_no_generated_token_and_captures_the_response(tmp_path, offline):
     """Greedy, 40 tokens per request, one request at a time: with capture (prompt and response for every other
-    request, prompt only for the rest) the engine generates exactly the tokens it generates without."""
+    request, prompt only for the rest) the engine generates exactly the tokens it generates without; the response's
+    rows (decode steps replayed from FULL CUDA graphs) equal HF transformers on prompt and response."""
+    from safetensors.torch import load_file
+
+    from hscapture.testing import reference
+    from hscapture.testing.compare import compare
+
     model, _ = offline
     script = tmp_path / "tokens.py"
     script.write_text(f"LAYERS = {LAYERS}\nSTEP_TOKENS = {STEP_TOKENS}\n" + _TOKENS)
     (tmp_path / "prompts.json").write_text(json.dumps(_prompts()))
     (tmp_path / "stage").mkdir()
+    (tmp_path / "keep").mkdir()
     env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "HSCAPTURE_DEVICE_PATH": "required"}
     got = {}
     for capture in ("0", "1"):
-        cmd = [sys.executable, str(script), model, str(tmp_path / "stage"), capture, str(tmp_path / "prompts.json")]
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        cmd = [sys.executable, str(script), model, str(tmp_path / "stage"), str(tmp_path / "keep"), capture]
+        r = subprocess.run(cmd + [str(tmp_path / "prompts.json")], capture_output=True, text=True, env=env, timeout=600)
         line = [x for x in r.stdout.splitlines() if x.startswith("TOKENS ")]
         if r.returncode != 0 or not line:
             pytest.fail(f"capture={capture} failed:\n" + "\n".join((r.stdout + r.stderr).splitlines()[-30:]))
         got[capture] = json.loads(line[-1][len("TOKENS ") :])
     assert [len(t) for t in got["1"]] == [40] * 12
     assert got["1"] == got["0"], "the capture changed generated tokens"
+    prompts = _prompts()[:12]
+    seqs = [prompts[k] + got["1"][k][:-1] for k in range(0, 12, 2)]  # every token that went through a forward
+    files = [load_file(tmp_path / "keep" / f"{k}.safetensors") for k in range(0, 12, 2)]
+    assert [f["token_ids"].tolist() for f in files] == seqs
+    cmp = compare([f["hidden_states"] for f in files], reference.compute(model, seqs, LAYERS, "before"))
+    print(f"DECODE_ORACLE prompt + response vs transformers: worst relative error {cmp.worst:.2e} at {cmp.where}")
+    assert cmp.ok(5e-3), f"worst relative error {cmp.worst:.2e} at {cmp.where}"

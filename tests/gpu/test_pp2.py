@@ -15,7 +15,6 @@ if torch.cuda.device_count() < 2:
 
 
 def test_pp2_captures_both_stages(tmp_path, tiny_model, monkeypatch):
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     from hscapture import load_sample
     from hscapture.cli.extract import ExtractOptions, run_extract
     from hscapture.testing import reference

@@ -50,7 +50,6 @@ def _prompts():
 
 @pytest.fixture
 def device_env(monkeypatch):
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     monkeypatch.setenv("HSCAPTURE_DEVICE_PATH", "required")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(INTEGRATION), os.environ.get("PYTHONPATH", "")]))
     sys.path.insert(0, str(INTEGRATION))

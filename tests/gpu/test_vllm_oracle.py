@@ -1,7 +1,8 @@
 """The second oracle: vLLM's own extraction (`extract_hidden_states` + `ExampleHiddenStatesConnector`) and
 hscapture's `before`-convention capture, same model, same prompts, same GPU: equal token by token.
 
-Both run without chunked prefill (vLLM's own path supports it only from 0.24). Tolerance 5e-3 as for the GPU
+Both run with vLLM's defaults (torch.compile, CUDA graphs, each on the model runner vLLM picks for it) and without
+chunked prefill (vLLM's own path supports it only from 0.24). Tolerance 5e-3 as for the GPU
 oracle (float32 through TF32 kernels; the two runs batch differently); the worst error is printed."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import json, sys
 from vllm import LLM, SamplingParams
 if __name__ == "__main__":
     model, out, prompts = sys.argv[1], sys.argv[2], json.load(open(sys.argv[3]))
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, skip_tokenizer_init=True, gpu_memory_utilization=0.3,
+    llm = LLM(model=model, dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
               max_model_len=256, max_num_seqs=8, enable_chunked_prefill=False, enable_prefix_caching=False, seed=0,
               speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                   "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}}},
@@ -37,8 +38,7 @@ if __name__ == "__main__":
 """
 
 
-def test_hscapture_equals_vllms_own_extraction(tmp_path, tiny_model, monkeypatch):
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+def test_hscapture_equals_vllms_own_extraction(tmp_path, tiny_model):
     from safetensors.torch import load_file
 
     from hscapture import load_sample
@@ -74,6 +74,7 @@ def test_hscapture_equals_vllms_own_extraction(tmp_path, tiny_model, monkeypatch
             max_num_batched_tokens=256,
             progress=False,
             durable=False,
+            compile=True,
             llm_kwargs={"gpu_memory_utilization": 0.3, "max_num_seqs": 8},
         )
     )

@@ -217,10 +217,10 @@ def test_a_divergent_rank_is_named_on_both(tmp_path):
 
 
 def _perturbed(capture):
-    def f(slot, hidden, residual):
+    def f(slot, hidden, residual, point=None):
         hidden = hidden.clone()
         hidden[0, 0] += 1.0
-        capture(slot, hidden, residual)
+        capture(slot, hidden, residual, point)
 
     return f
 

@@ -9,12 +9,20 @@ import pytest
 import torch
 from test_hooks import Model
 
-from hscapture import CompatibilityError
-from hscapture.adapters.vllm_compat import compiled
+from hscapture import CompatibilityError, _native
+from hscapture.adapters.vllm_compat import execution
 from hscapture.capture import traced
 from hscapture.capture.hooks import install, install_positions_probe
 
 POINTS = [("layer_output", 0), ("embeddings", 0), ("layer_output", 2)]
+
+
+def codes_of(points):
+    """The point codes the core gives these points (a session whose slots are them, in the `before` convention)."""
+    ids = [0 if kind == "embeddings" else k + 1 for kind, k in points]
+    s = _native.CaptureSession(sorted(ids), "before", 4, 3, "float32", "float32", assemble=False)
+    by_id = dict(zip(s.layer_ids, s.point_codes(), strict=True))
+    return tuple(by_id[i] for i in ids)
 
 
 @pytest.fixture
@@ -26,7 +34,7 @@ def active():
 
 def _traced_model(seen: list, counts: list, activate, points=POINTS):
     m = Model(3)
-    codes = tuple(traced.point_code(kind, k) for kind, k in points)
+    codes = codes_of(points)
     install(m.model.layers, points, lambda slot, h, r: traced.tap(h, r, slot, codes[slot]))
     install_positions_probe(m.model.layers, traced.positions)
     activate(
@@ -75,6 +83,10 @@ def test_hooks_traced_into_a_full_graph_see_every_calls_tensors(backend, active)
     assert len(seen) == 6
 
 
+def test_point_codes_are_the_cores():
+    assert codes_of(POINTS) == (0, -1, 2)
+
+
 def test_a_graph_built_for_other_capture_points_is_refused():
     """vLLM's compile cache can hand a capture a graph traced with another capture's hooks: the taps carry
     their capture points, and a capture whose settings differ refuses them (a layer's states never land
@@ -82,14 +94,9 @@ def test_a_graph_built_for_other_capture_points_is_refused():
     from test_rpc import Worker
 
     cap = Worker(layers=(0, 2))._hscapture
-    cap.traced_points = tuple(traced.point_code(kind, k) for kind, k in cap.capture_points())
-    cap.on_traced(0, traced.point_code("layer_output", 0), torch.zeros(2, 4), None)  # its own point: fine (no step)
-    cap.on_traced(0, traced.point_code("layer_output", 1), torch.zeros(2, 4), None)  # kept for the next meeting
-    with pytest.raises(
-        CompatibilityError,
-        match="taps the output of decoder layer 1 for slot 0, but this capture reads the output of decoder layer 0",
-    ):
-        cap.flush()
+    cap.on_traced(0, 0, torch.zeros(2, 4), None)  # its own point: fine (no step)
+    with pytest.raises(CompatibilityError, match="taps the output of decoder layer 1 for layer id 0"):
+        cap.on_traced(0, 1, torch.zeros(2, 4), None)  # outside a step (vLLM's start-up): raised at once
 
 
 def test_finish_deactivates_and_reports_the_taps_of_captured_steps():
@@ -98,7 +105,7 @@ def test_finish_deactivates_and_reports_the_taps_of_captured_steps():
 
     cap = Worker(layers=(0, 2))._hscapture
     traced.activate(cap.on_traced, cap.on_positions)
-    cap.traced_points, cap.traced_active, cap.traced_taps = (), True, 7
+    cap.traced_points, cap.traced_active, cap.traced_taps = (0, 2), True, 7
     cap.out_dtype, cap.hidden_size, cap.num_hidden_layers = "float32", 8, 4
     try:
         assert cap.finish()["traced_calls"] == 7
@@ -116,28 +123,33 @@ def test_speculators_rpc_setup_is_refused_once_the_model_is_compiled():
         worker._setup_hidden_states_capture([1, 2])
 
 
-def _cfg(mode, cudagraphs="NONE", device="cpu", **passes):
+def _cfg(mode, cudagraphs="NONE", device="cpu", parallel=None, **passes):
     cg = SimpleNamespace(name=cudagraphs)
     cc = SimpleNamespace(mode=mode, cudagraph_mode=cg, pass_config=SimpleNamespace(**passes))
-    return SimpleNamespace(compilation_config=cc, device_config=SimpleNamespace(device_type=device))
+    return SimpleNamespace(
+        compilation_config=cc,
+        device_config=SimpleNamespace(device_type=device),
+        parallel_config=SimpleNamespace(**(parallel or {})),
+    )
 
 
-def test_which_compilation_modes_are_captured(monkeypatch):
-    monkeypatch.delenv("HSCAPTURE_CUDA_COMPILE", raising=False)
-    assert compiled(_cfg(0)) is False
-    assert compiled(_cfg(0, "PIECEWISE", "cuda")) is False  # eager: vLLM never replays graphs then
-    assert compiled(_cfg(2)) is True  # the CPU platform's DYNAMO_TRACE_ONCE
-    assert compiled(_cfg(3)) is True
-    with pytest.raises(CompatibilityError, match="CUDA graphs"):
-        compiled(_cfg(3, "FULL_AND_PIECEWISE", "cuda"))
-    with pytest.raises(CompatibilityError, match="CUDA graphs"):
-        compiled(_cfg(3, "PIECEWISE", "cpu"))
-    with pytest.raises(CompatibilityError, match="only as an opt-in.*HSCAPTURE_CUDA_COMPILE=1"):
-        compiled(_cfg(3, "NONE", "cuda"))
-    monkeypatch.setenv("HSCAPTURE_CUDA_COMPILE", "1")  # the opt-in: compile on CUDA, still without CUDA graphs
-    assert compiled(_cfg(3, "NONE", "cuda")) is True
-    with pytest.raises(CompatibilityError, match="CUDA graphs"):
-        compiled(_cfg(3, "PIECEWISE", "cuda"))
+def test_how_vllm_runs_the_model_is_read_from_its_config():
+    assert execution(_cfg(0)).compiled is False
+    assert execution(_cfg(2)).compiled is True  # the CPU platform's DYNAMO_TRACE_ONCE
+    assert execution(_cfg(3, "FULL_AND_PIECEWISE", "cuda")) == execution(_cfg(3, "FULL_AND_PIECEWISE", "cuda"))
+    ex = execution(_cfg(3, "FULL_AND_PIECEWISE", "cuda"))
+    assert (ex.compiled, ex.graphs) == (True, "FULL_AND_PIECEWISE")
+    assert "cudagraph_mode FULL_AND_PIECEWISE" in ex.describe()
+    assert execution(_cfg(0, "FULL", "cuda")).graphs == "FULL"  # graphs of the eager model: hooks recorded too
+    assert execution(_cfg(3, "NONE", "cuda")).graphs is None
+    assert execution(_cfg(3, "PIECEWISE", "cpu")).graphs is None  # the CPU platform replays no graphs
+
+
+def test_dual_batch_overlap_is_refused():
+    for flag in ("enable_dbo", "use_ubatching"):
+        with pytest.raises(CompatibilityError, match=f"dual-batch overlap.*{flag}"):
+            execution(_cfg(0, parallel={flag: True}))
+    assert execution(_cfg(0, parallel={"enable_dbo": False})).compiled is False
 
 
 def test_the_sequence_parallelism_pass_is_refused_under_compile():
@@ -145,18 +157,29 @@ def test_the_sequence_parallelism_pass_is_refused_under_compile():
     compiled graph (VLLM_COMPILE only); eager runs never apply it, unresolved (None) or off is fine."""
     for name in ("enable_sp", "enable_sequence_parallelism"):
         with pytest.raises(CompatibilityError, match=f"sequence-parallelism pass.*{name}.*enforce_eager"):
-            compiled(_cfg(3, **{name: True}))
-        assert compiled(_cfg(3, **{name: False})) is True
-        assert compiled(_cfg(3, **{name: None})) is True
-        assert compiled(_cfg(0, **{name: True})) is False
-        assert compiled(_cfg(2, **{name: True})) is True  # the CPU platform's trace-once mode runs no passes
+            execution(_cfg(3, **{name: True}))
+        with pytest.raises(CompatibilityError, match="sequence-parallelism pass.*compilation_config="):
+            execution(_cfg(3, "FULL_AND_PIECEWISE", "cuda", **{name: True}))
+        assert execution(_cfg(3, **{name: False})).compiled is True
+        assert execution(_cfg(3, **{name: None})).compiled is True
+        assert execution(_cfg(0, **{name: True})).compiled is False
+        assert execution(_cfg(2, **{name: True})).compiled is True  # the CPU platform's trace-once mode runs no passes
 
 
-def test_on_cuda_the_opt_in_is_asked_first_then_the_sp_pass_refused(monkeypatch):
-    monkeypatch.delenv("HSCAPTURE_CUDA_COMPILE", raising=False)
-    with pytest.raises(CompatibilityError, match="HSCAPTURE_CUDA_COMPILE=1"):
-        compiled(_cfg(3, "NONE", "cuda", enable_sp=True))
-    monkeypatch.setenv("HSCAPTURE_CUDA_COMPILE", "1")
-    with pytest.raises(CompatibilityError, match="sequence-parallelism pass.*compilation_config="):
-        compiled(_cfg(3, "NONE", "cuda", enable_sp=True))
-    assert compiled(_cfg(3, "NONE", "cuda", enable_sp=False)) is True
+def test_what_cuda_graphs_cannot_capture_is_refused_by_name():
+    from hscapture.capture.wiring import DevicePath, check_graphs
+
+    ex = execution(_cfg(3, "FULL_AND_PIECEWISE", "cuda"))
+    order = SimpleNamespace(pre_forward=True, runner=object())
+    vc = _cfg(3, "FULL_AND_PIECEWISE", "cuda")
+    check_graphs(ex, DevicePath("device", True), 1, 1, order, vc)  # what works
+    with pytest.raises(CompatibilityError, match="pipeline parallelism.*--enforce-eager"):
+        check_graphs(ex, DevicePath("host"), 2, 1, order, vc)
+    with pytest.raises(CompatibilityError, match="device path.*HSCAPTURE_DEVICE_PATH=off.*--enforce-eager"):
+        check_graphs(ex, DevicePath("host"), 1, 1, order, vc)
+    with pytest.raises(CompatibilityError, match="no step preparation"):
+        check_graphs(ex, DevicePath("device"), 1, 1, SimpleNamespace(pre_forward=False, runner=object()), vc)
+    sp = _cfg(3, "FULL_AND_PIECEWISE", "cuda", parallel={"use_sequence_parallel_moe": True})
+    with pytest.raises(CompatibilityError, match="sequence-parallel MoE"):
+        check_graphs(ex, DevicePath("device"), 1, 2, order, sp)
+    check_graphs(ex, DevicePath("device"), 1, 1, order, sp)  # one rank: nothing is sharded

@@ -1,13 +1,17 @@
-// hscapture's capture kernel: the CUDA twin of `cpu::capture_rows` (see cpu.rs for the exact
+// hscapture's capture kernel: the CUDA twin of `armed::capture_armed` (see armed.rs and cpu.rs for the exact
 // semantics, which this file must match bit for bit). Compiled with NVRTC at worker start-up;
 // no headers, so that NVRTC needs none: half-precision conversions are written out in bits
 // (bfloat16 exactly as the `half` crate does it) or done by PTX `cvt` (float16, round to nearest even).
 //
-// One block per captured row d: source row s = src_rows[d]; threads stride over the hidden size.
+// A launch never changes between steps, so that a CUDA graph records it once: the step comes from device memory
+// the host fills before each forward (the control block `ctl` and the source-row index `src_rows`).
+// One block per row of the layer's tensor (`grid` rows); block d < ctl.rows captures source row s = src_rows[d]
+// (skipped if s >= grid); threads stride over the hidden size:
 //   v      = f32(hidden[s][j]) + f32(residual[s][j])      (one IEEE f32 addition, no contraction)
 //   out    = round_to_nearest_even(v, out_dtype)
 //   sum   += mix64(bits(out) ^ (j << 32))                  (wrapping; order-free)
 //   bad   += !finite(out)
+// Block 0 stamps the slot: (arm, point, grid). Disarmed (ctl.arm == 0): nothing is written.
 // dtype codes: 0 = float32, 1 = bfloat16, 2 = float16.
 
 typedef unsigned long long u64;
@@ -62,21 +66,19 @@ __device__ __forceinline__ u32 store(void* p, i64 i, float v, int dt, bool* fini
     return (u32)h;
 }
 
-extern "C" __global__ void hscapture_capture_rows(
+// One stored row: source row s of hidden (+ residual) into `out` row `row`; returns (checksum, non-finite count)
+// reduced over the block (valid in thread 0).
+__device__ __forceinline__ void capture_row(
     const void* hidden, const void* residual, i64 h_stride, i64 r_stride, int in_dt,
-    const int* src_rows, int n_rows, int width,
-    void* out, int out_dt, u64* row_sums, u32* nonfinite)
+    i64 s, i64 row, int width, void* out, int out_dt, u64* sum_out, u32* bad_out)
 {
-    const int d = blockIdx.x;
-    if (d >= n_rows) return;
-    const i64 s = (i64)src_rows[d];
     u64 sum = 0;
     u32 bad = 0;
     for (int j = threadIdx.x; j < width; j += blockDim.x) {
         float v = load(hidden, s * h_stride + j, in_dt);
         if (residual) v = __fadd_rn(v, load(residual, s * r_stride + j, in_dt));
         bool finite;
-        u32 bits = store(out, (i64)d * width + j, v, out_dt, &finite);
+        u32 bits = store(out, row * width + j, v, out_dt, &finite);
         sum += mix64((u64)bits ^ ((u64)(u32)j << 32));
         bad += finite ? 0u : 1u;
     }
@@ -93,7 +95,30 @@ extern "C" __global__ void hscapture_capture_rows(
     if (threadIdx.x == 0) {
         u64 t = 0; u32 b = 0;
         for (int w = 0; w < nwarps; ++w) { t += wsum[w]; b += wbad[w]; }
-        row_sums[d] = t;
-        nonfinite[d] = b;
+        *sum_out = t;
+        *bad_out = b;
     }
+}
+
+// ctl: [arm, rows, data_base, half, 0...]; stamps: [half][slot][4] u32; row_sums/nonfinite: [half][slot][capacity];
+// out: rows at (data_base + slot * capacity + d) * width.
+extern "C" __global__ void hscapture_capture_armed(
+    const void* hidden, const void* residual, i64 h_stride, i64 r_stride, int in_dt,
+    const u32* ctl, const int* src_rows, int grid, int slot, int slots, int capacity, int point, int width,
+    void* out, int out_dt, u64* row_sums, u32* nonfinite, u32* stamps)
+{
+    const u32 arm = ctl[0];
+    if (arm == 0u) return;
+    const u32 rows = ctl[1], data_base = ctl[2], half = ctl[3];
+    const int d = blockIdx.x;
+    if (d == 0 && threadIdx.x == 0) {
+        u32* st = stamps + ((i64)half * slots + slot) * 4;
+        st[0] = arm; st[1] = (u32)point; st[2] = (u32)grid; st[3] = 0u;
+    }
+    if ((u32)d >= rows) return;
+    const int s = src_rows[d];
+    if (s < 0 || s >= grid) return;
+    const i64 stat = ((i64)half * slots + slot) * capacity + d;
+    capture_row(hidden, residual, h_stride, r_stride, in_dt, s, (i64)data_base + (i64)slot * capacity + d, width,
+                out, out_dt, row_sums + stat, nonfinite + stat);
 }

@@ -114,26 +114,30 @@ pub fn capture_rows(
     }
     for run in runs {
         for k in 0..run.len {
-            let s = run.src_row + k;
-            let d = run.dst_row + k;
-            let h_off = s * hidden.row_stride;
+            let (s, d) = (run.src_row + k, run.dst_row + k);
             let dst = &mut out.data[d * row_bytes..(d + 1) * row_bytes];
-            let mut sum = 0u64;
-            let mut bad = 0u32;
-            for j in 0..width {
-                let mut v = hidden.dtype.load(hidden.data, h_off + j);
-                if let Some(r) = residual {
-                    v += r.dtype.load(r.data, s * r.row_stride + j);
-                }
-                let (bits, finite) = out.dtype.store(dst, j, v);
-                sum = sum.wrapping_add(element_term(bits, j));
-                bad += u32::from(!finite);
-            }
-            out.row_sums[d] = sum;
-            out.nonfinite[d] = bad;
+            (out.row_sums[d], out.nonfinite[d]) = capture_row(hidden, residual, s, dst, out.dtype);
         }
     }
     Ok(())
+}
+
+/// One row of the capture: source row `s` (plus the residual's) stored into `dst` as `dtype`; returns the stored
+/// row's checksum and its count of non-finite values. The caller has checked the bounds.
+pub(crate) fn capture_row(hidden: &RowSource<'_>, residual: Option<&RowSource<'_>>, s: usize, dst: &mut [u8], dtype: DType) -> (u64, u32) {
+    let h_off = s * hidden.row_stride;
+    let mut sum = 0u64;
+    let mut bad = 0u32;
+    for j in 0..hidden.width {
+        let mut v = hidden.dtype.load(hidden.data, h_off + j);
+        if let Some(r) = residual {
+            v += r.dtype.load(r.data, s * r.row_stride + j);
+        }
+        let (bits, finite) = dtype.store(dst, j, v);
+        sum = sum.wrapping_add(element_term(bits, j));
+        bad += u32::from(!finite);
+    }
+    (sum, bad)
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@ use crate::dtype::DType;
 
 /// The kernels' source, also shipped for inspection (`fp8.cu` uses `capture.cu`'s helpers).
 pub const SOURCE: &str = concat!(include_str!("capture.cu"), "\n", include_str!("fp8.cu"));
-const NAME: &str = "hscapture_capture_rows";
+const NAME: &str = "hscapture_capture_armed";
 const NAME_FP8: &str = "hscapture_fp8_quantize";
 /// Threads per block (a multiple of 32: the reduction uses full-warp shuffles).
 pub const BLOCK: u32 = 256;
@@ -71,9 +71,10 @@ pub fn dtype_code(d: DType) -> i32 {
     }
 }
 
-/// Raw device pointers and sizes of one launch (see `capture.cu`).
+/// Raw device pointers and sizes of one armed capture launch (see `capture.cu` and `armed.rs`). Nothing here
+/// changes between steps: a CUDA graph may record the launch and replay it.
 #[derive(Clone, Copy, Debug)]
-pub struct LaunchArgs {
+pub struct ArmedArgs {
     pub hidden: u64,
     /// 0 when there is no residual.
     pub residual: u64,
@@ -81,14 +82,23 @@ pub struct LaunchArgs {
     pub h_stride: i64,
     pub r_stride: i64,
     pub in_dtype: DType,
-    /// Device array of `n_rows` i32 source-row indices.
+    /// The control block (`armed::CONTROL_WORDS` u32) and the source-row index (`capacity` i32).
+    pub ctl: u64,
     pub src_rows: u64,
-    pub n_rows: i32,
+    /// Rows of the layer's tensor: one block each.
+    pub grid: i32,
+    pub slot: i32,
+    pub slots: i32,
+    pub capacity: i32,
+    /// The slot's capture point, stamped.
+    pub point: i32,
     pub width: i32,
+    /// The arena's rows (every half), checksums, non-finite counts and stamps.
     pub out: u64,
     pub out_dtype: DType,
     pub row_sums: u64,
     pub nonfinite: u64,
+    pub stamps: u64,
 }
 
 /// Raw device pointers and sizes of one fp8 quantization (see `fp8.cu`).
@@ -157,24 +167,26 @@ impl CaptureKernel {
         LaunchConfig { grid_dim: (n_rows as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
     }
 
-    /// Enqueues one capture on `stream`.
+    /// Enqueues one armed capture on `stream`: one `cuLaunchKernel` and nothing else, so that it may be recorded
+    /// into a CUDA graph being captured on `stream`.
     ///
     /// # Safety
-    /// Every pointer in `a` must be device memory of this context, large enough for the launch
-    /// (`n_rows` source rows addressed through `src_rows`, `n_rows * width` outputs, `n_rows` sums and
-    /// counts), and stay allocated until the launch has run on `stream`.
-    pub unsafe fn launch(&self, a: &LaunchArgs, stream: &CudaStream) -> Result<(), KernelError> {
-        if a.n_rows <= 0 {
+    /// Every pointer in `a` must be device memory of this context large enough for the launch (`grid` rows of the
+    /// tensors; the arena's rows, checksums, counts and stamps of every half; the control block and `capacity`
+    /// source rows), and stay allocated as long as the launch, or a graph that recorded it, may run.
+    pub unsafe fn launch_armed(&self, a: &ArmedArgs, stream: &CudaStream) -> Result<(), KernelError> {
+        if a.grid <= 0 {
             return Ok(());
         }
         let (in_dt, out_dt) = (dtype_code(a.in_dtype), dtype_code(a.out_dtype));
         guarded("launching the capture kernel", || {
             let mut b = stream.launch_builder(&self.func);
-            b.arg(&a.hidden).arg(&a.residual).arg(&a.h_stride).arg(&a.r_stride).arg(&in_dt).arg(&a.src_rows);
-            b.arg(&a.n_rows).arg(&a.width).arg(&a.out).arg(&out_dt).arg(&a.row_sums).arg(&a.nonfinite);
+            b.arg(&a.hidden).arg(&a.residual).arg(&a.h_stride).arg(&a.r_stride).arg(&in_dt);
+            b.arg(&a.ctl).arg(&a.src_rows).arg(&a.grid).arg(&a.slot).arg(&a.slots).arg(&a.capacity).arg(&a.point).arg(&a.width);
+            b.arg(&a.out).arg(&out_dt).arg(&a.row_sums).arg(&a.nonfinite).arg(&a.stamps);
             // SAFETY: the arguments match the kernel's signature one for one (capture.cu); the memory contract is
             // the caller's.
-            unsafe { b.launch(Self::config(a.n_rows)) }.map(|_| ()).map_err(|e| err("cuLaunchKernel", e))
+            unsafe { b.launch(Self::config(a.grid)) }.map(|_| ()).map_err(|e| err("cuLaunchKernel", e))
         })
     }
 

@@ -90,11 +90,11 @@ fn run(out: PathBuf, background: bool, steps: usize, fwd: Duration, reqs: usize,
         };
         let t = Instant::now();
         s.begin_step(input)?;
-        s.plan(&ids)?;
+        s.plan(&ids, None)?;
         let mut worker = t.elapsed();
         for slot in 0..SLOTS {
             // SAFETY: `rows` is live and unchanged for the whole run.
-            unsafe { s.capture(slot, &desc, None, 0)? };
+            unsafe { s.capture(slot, None, &desc, None, 0)? };
         }
         let t = Instant::now();
         s.end_step()?;

@@ -122,6 +122,25 @@ pub struct WorkerSession {
     pending: Vec<Sample>,
     /// The newest step accounted so far: what the next release covers.
     accounted: Option<u64>,
+    /// Where the worker's thread spent its time in the core.
+    pub times: CallTimes,
+}
+
+/// Nanoseconds a worker's thread spent in each call of the step protocol, summed over the run (`stats()`): the host
+/// work a step costs, measured where it is spent. `backlog`: the part of `release` spent waiting for the writer
+/// (per-request files).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CallTimes {
+    pub begin_step: u64,
+    pub plan: u64,
+    pub capture: u64,
+    pub end_step: u64,
+    pub release: u64,
+    pub backlog: u64,
+}
+
+fn elapsed_ns(t: std::time::Instant) -> u64 {
+    u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// The identity of a capture of `cfg` stored in `format` as `out` says.
@@ -206,6 +225,7 @@ impl WorkerSession {
             in_flight_rows: 0,
             pending: Vec::new(),
             accounted: None,
+            times: CallTimes::default(),
         })
     }
 
@@ -278,6 +298,7 @@ impl WorkerSession {
     /// per-request files, then waits while more than the backlog's rows of complete samples wait for their files
     /// (those of the step still in flight aside): the step's responses go out only once the writer is that close.
     pub fn release(&mut self) -> CoreResult<()> {
+        let t = std::time::Instant::now();
         if let Some(upto) = self.accounted {
             self.session.release(upto)?;
             let agreed = std::mem::take(&mut self.pending);
@@ -286,37 +307,62 @@ impl WorkerSession {
         if let Some(locks) = &self.locks {
             let exempt = if self.session.steps_in_flight() > 0 { self.in_flight_rows } else { 0 };
             let failure = self.session.failure().clone();
+            let w = std::time::Instant::now();
             locks.wait_for_room(self.backlog_rows.saturating_add(exempt), || failure.first())?;
+            self.times.backlog += elapsed_ns(w);
         }
+        self.times.release += elapsed_ns(t);
         Ok(())
     }
 
     /// See [`Session::begin_step`].
     pub fn begin_step(&mut self, input: StepInput) -> CoreResult<Vec<StepReport>> {
+        let t = std::time::Instant::now();
         let outs = self.session.begin_step(input)?;
-        self.route(outs, false)
+        let r = self.route(outs, false);
+        self.times.begin_step += elapsed_ns(t);
+        r
     }
 
-    /// See [`Session::plan`]; returns the step's prompt rows.
-    pub fn plan(&mut self, order: &[String]) -> CoreResult<usize> {
-        self.session.plan(order).map(|p| p.arena_rows)
+    /// See [`Session::plan`], then [`Session::arm`] on `stream` when one is given; returns the step's prompt rows.
+    pub fn plan(&mut self, order: &[String], stream: Option<u64>) -> CoreResult<usize> {
+        let t = std::time::Instant::now();
+        let rows = self.session.plan(order)?.arena_rows;
+        if let Some(s) = stream {
+            self.session.arm(s)?;
+        }
+        self.times.plan += elapsed_ns(t);
+        Ok(rows)
     }
 
     /// See [`Session::capture`].
     ///
     /// # Safety
     /// As [`Session::capture`].
-    pub unsafe fn capture(&mut self, slot: usize, hidden: &TensorDesc, residual: Option<&TensorDesc>, stream: u64) -> CoreResult<()> {
+    pub unsafe fn capture(
+        &mut self,
+        slot: usize,
+        point: Option<i32>,
+        hidden: &TensorDesc,
+        residual: Option<&TensorDesc>,
+        stream: u64,
+    ) -> CoreResult<()> {
+        let t = std::time::Instant::now();
         // SAFETY: forwarded from this function's contract.
-        unsafe { self.session.capture(slot, hidden, residual, stream) }
+        let r = unsafe { self.session.capture(slot, point, hidden, residual, stream) };
+        self.times.capture += elapsed_ns(t);
+        r
     }
 
     /// See [`Session::end_step`].
     pub fn end_step(&mut self) -> CoreResult<Vec<StepReport>> {
+        let t = std::time::Instant::now();
         let outs = self.session.end_step()?;
         // The samples this step completed (their locks were taken just now) wait for it if it stays in flight.
         self.in_flight_rows = self.locks.as_ref().map_or(0, |l| l.take_completed_rows());
-        self.route(outs, false)
+        let r = self.route(outs, false);
+        self.times.end_step += elapsed_ns(t);
+        r
     }
 
     /// Accounts every device step in flight and waits for the assembler thread.

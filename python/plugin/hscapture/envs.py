@@ -153,13 +153,6 @@ REGISTRY: dict[str, EnvVar] = {
             "bursts of slow assembly.",
         ),
         EnvVar(
-            "HSCAPTURE_CUDA_COMPILE",
-            "bool",
-            "0",
-            "`1`: capture under vLLM's torch.compile on CUDA too (without CUDA graphs, which stay refused); an "
-            "opt-in until every model shape and runner has run compiled on a GPU (docs/compatibility.md).",
-        ),
-        EnvVar(
             "HSCAPTURE_BASE_WORKER",
             "str",
             None,

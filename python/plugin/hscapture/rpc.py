@@ -40,11 +40,13 @@ class HiddenStatesRPC:
             raise ConfigError(
                 f"_setup_hidden_states_capture: expected a list of layer ids, found {type(layer_ids).__name__}"
             )
-        if vllm_compat.compiled(getattr(self, "vllm_config", None)):
+        ex = vllm_compat.execution(getattr(self, "vllm_config", None))
+        if ex.compiled or ex.graphs:
             raise CompatibilityError(
-                "_setup_hidden_states_capture: vLLM compiled the model (torch.compile) when it started, before this "
-                "call could hook its layers, and a compiled graph never runs hooks added later; expected an eager "
-                "engine: start vLLM with enforce_eager=True"
+                f"_setup_hidden_states_capture: vLLM compiled the model or captured its CUDA graphs ({ex.describe()}) "
+                "when it started, before this call could hook its layers, and neither a compiled graph nor a CUDA "
+                "graph runs hooks added later; expected an eager engine: start vLLM with enforce_eager=True, or "
+                "configure hscapture when the engine starts (additional_config) to capture under vLLM's defaults"
             )
         cfg = CaptureConfig(layers=tuple(int(i) for i in layer_ids), convention="after", out=None)
         old = getattr(self, "_hscapture", None)

@@ -12,7 +12,7 @@ fn probe_never_panics_and_agrees_with_is_available() {
 fn the_kernels_compile_where_nvrtc_is_present() {
     match crate::launch::ptx("compute_90") {
         Ok(ptx) => {
-            assert!(ptx.contains(".entry hscapture_capture_rows("), "capture kernel missing from the PTX");
+            assert!(ptx.contains(".entry hscapture_capture_armed("), "capture kernel missing from the PTX");
             assert!(ptx.contains(".entry hscapture_fp8_quantize("), "fp8 kernel missing from the PTX");
         }
         Err(e) if e.0.contains("dynamically load") || e.0.contains("library") => eprintln!("NVRTC not present: {e:?}"),

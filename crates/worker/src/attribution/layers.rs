@@ -67,6 +67,26 @@ pub enum CapturePoint {
     LayerOutput(usize),
 }
 
+impl CapturePoint {
+    /// The point as the number a compiled graph's tap and a device stamp carry: `k` for the output of decoder
+    /// layer `k`, -1 for the embeddings (the input of layer 0).
+    pub fn code(self) -> i32 {
+        match self {
+            CapturePoint::Embeddings => -1,
+            CapturePoint::LayerOutput(k) => i32::try_from(k).unwrap_or(i32::MAX),
+        }
+    }
+
+    /// `code` in words, for errors (any code: a cached graph may carry one this capture never makes).
+    pub fn describe(code: i32) -> String {
+        match code {
+            -1 => "the input of decoder layer 0 (the embeddings)".to_string(),
+            k if k >= 0 => format!("the output of decoder layer {k}"),
+            k => format!("capture point {k} (no such point)"),
+        }
+    }
+}
+
 /// A validated, ordered set of layer ids: slot `s` holds `ids[s]`, ascending.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LayerPlan {

@@ -24,14 +24,7 @@ pub fn check_layer(
     hidden: &TensorDesc,
     residual: Option<&TensorDesc>,
 ) -> CoreResult<usize> {
-    ensure!(
-        hidden.width() == cfg.hidden_size,
-        ShapeContract,
-        "{name}: expected hidden size {}, found a tensor of shape {:?}",
-        cfg.hidden_size,
-        hidden.shape
-    );
-    ensure!(hidden.dtype == cfg.model_dtype, ShapeContract, "{name}: expected dtype {}, found {}", cfg.model_dtype, hidden.dtype);
+    check_tensor(cfg, name, hidden, residual)?;
     ensure!(
         hidden.rows() >= plan.total_tokens,
         ShapeContract,
@@ -41,6 +34,20 @@ pub fn check_layer(
         hidden.rows(),
         hidden.shape
     );
+    Ok(plan.total_tokens)
+}
+
+/// Checks what a layer's tensors must be whatever the step: width, dtype, a residual like the hidden states (a
+/// CUDA graph's recorded launch is checked here once, when vLLM captures the graph).
+pub fn check_tensor(cfg: &SessionConfig, name: &str, hidden: &TensorDesc, residual: Option<&TensorDesc>) -> CoreResult<()> {
+    ensure!(
+        hidden.width() == cfg.hidden_size,
+        ShapeContract,
+        "{name}: expected hidden size {}, found a tensor of shape {:?}",
+        cfg.hidden_size,
+        hidden.shape
+    );
+    ensure!(hidden.dtype == cfg.model_dtype, ShapeContract, "{name}: expected dtype {}, found {}", cfg.model_dtype, hidden.dtype);
     if let Some(r) = residual {
         ensure!(
             r.shape == hidden.shape && r.dtype == hidden.dtype,
@@ -52,5 +59,5 @@ pub fn check_layer(
             hidden.dtype
         );
     }
-    Ok(plan.total_tokens)
+    Ok(())
 }

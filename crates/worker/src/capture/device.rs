@@ -1,22 +1,26 @@
 //! The device side of a session, behind a trait so that the session's logic does not depend on
 //! CUDA (and is tested on CPU with a host-memory stand-in).
 //!
-//! Protocol per step: `reset(rows)` when the plan is fixed (takes a free host buffer of the ring);
-//! `capture` once per slot (enqueues the capture kernel on the caller's stream and the copy of that
-//! slot's rows to host memory on a side stream); `end_step` (marks the step's copies: the step is in
-//! flight); `wait` (blocks until the copies of the oldest step in flight are done and hands out its
-//! host buffer); `recycle` (the buffer comes back once its rows are assembled, possibly steps later,
-//! from the assembler thread).
+//! Protocol per step, the same whether the forward runs eagerly or replays a CUDA graph:
+//! - `arm` before the forward (the plan is fixed): takes a free host buffer and, on the forward's stream, writes the
+//!   step into the device memory the capture kernels read (the control block and the source-row index), after the
+//!   copies of the step that last used that half of the arena;
+//! - `launch` once per slot during the forward, or never (a replayed graph runs the launches it recorded): one
+//!   kernel launch that reads the step from device memory and stamps its slot. A launch outside an armed step writes
+//!   nothing, which is what a CUDA graph records at vLLM's start-up;
+//! - `end_step` after the forward: disarms, and enqueues the copies of the step's rows, checksums, counts and
+//!   stamps to its host buffer on a side stream; the step is in flight;
+//! - `wait` blocks until the copies of the oldest step in flight are done and hands out its host buffer; `recycle`
+//!   takes it back once its rows are assembled (possibly steps later, from the assembler thread).
 //!
-//! Several steps may be in flight: a step's first capture makes the caller's stream wait (on the
-//! device, never the host) for the copies of the step before it, so the device arena, reused every
-//! step, is overwritten only once it has been read. The session decides how many steps it leaves in
-//! flight when the next one begins (one, so that vLLM prepares step N+1 while step N still runs).
+//! Several steps may be in flight: the arena has halves (two with overlap), so that step N+1's kernels write one
+//! half while step N's copies read the other; a half is armed again only after its last copies ran (a wait on the
+//! device, never the host).
 
 use crate::capture::rows::StepRows;
 use crate::capture::tensor::TensorDesc;
 use crate::error::CoreResult;
-use hscapture_kernels::RowRun;
+use hscapture_kernels::{RowRun, Stamp};
 
 /// One step's rows in a device path's pinned host buffer, handed out by `wait` and given back by
 /// `recycle`.
@@ -25,6 +29,8 @@ pub trait PinnedStep: Send + Sync {
     fn ring_slot(&self) -> usize;
     /// The rows, readable (a device's buffers answer once the copies into them are done).
     fn rows(&self) -> CoreResult<Box<dyn StepRows + Sync + '_>>;
+    /// Each slot's stamp as the step's forward left it.
+    fn stamps(&self) -> CoreResult<Vec<Stamp>>;
 }
 
 pub trait DeviceBackend: Send + Sync {
@@ -40,16 +46,21 @@ pub trait DeviceBackend: Send + Sync {
     fn quantizes(&self) -> bool {
         false
     }
-    /// Starts a step of `rows` captured rows per slot, to be computed from the given row runs; takes a
-    /// free host buffer (an error if none is). Steps in flight stay in flight.
-    fn reset(&mut self, rows: usize, runs: &[RowRun]) -> CoreResult<()>;
-    /// Enqueues the capture of `slot` from `hidden` (+ `residual`) on `stream` (a raw CUDA stream).
+    /// Arms a step (arm number `arm`, never 0) of `rows` captured rows per slot, computed from the given row runs,
+    /// on `stream` (a raw CUDA stream: the forward's); takes a free host buffer (an error if none is).
+    fn arm(&mut self, arm: u32, rows: usize, runs: &[RowRun], stream: u64) -> CoreResult<()>;
+    /// Disarms an armed step whose forward failed (nothing is copied; its host buffer serves the next step).
+    fn disarm(&mut self) -> CoreResult<()>;
+    /// Enqueues slot `slot`'s capture kernel (capture point `point`, stamped) on `stream`: a single kernel launch,
+    /// which a CUDA graph being captured on `stream` records.
     ///
     /// # Safety
-    /// The descriptors must describe live device memory that stays allocated and unmodified until
-    /// the enqueued work has run on `stream`.
-    unsafe fn capture(&mut self, slot: usize, hidden: &TensorDesc, residual: Option<&TensorDesc>, stream: u64) -> CoreResult<()>;
-    /// Marks the end of the step's copies; the step is in flight until `wait` collects it.
+    /// The descriptors must describe live device memory that stays allocated and unmodified until the enqueued work
+    /// has run on `stream` (a CUDA graph's own memory pool, when it records the launch).
+    unsafe fn launch(&mut self, slot: usize, point: i32, hidden: &TensorDesc, residual: Option<&TensorDesc>, stream: u64)
+        -> CoreResult<()>;
+    /// After the armed step's forward: disarms and enqueues its copies; the step is in flight until `wait` collects
+    /// it.
     fn end_step(&mut self) -> CoreResult<()>;
     /// Waits for the copies of the oldest step in flight and hands out its host buffer.
     fn wait(&mut self) -> CoreResult<Box<dyn PinnedStep>>;

@@ -1,4 +1,4 @@
-//! Device steps in flight: the session's side of a [`DeviceBackend`]. A step captured on the device
+//! Device steps in flight: the session's side of a [`DeviceBackend`]. A step armed on the device
 //! ends with its copies to host memory still running; it is collected (its copies waited for, its
 //! pinned buffer handed out) later, oldest first: with overlap when the next step ends, so that vLLM
 //! prepares and launches step N+1 while step N's forward and copies still run; without it when the
@@ -19,6 +19,8 @@ use hscapture_kernels::RowRun;
 /// An ended device step, waiting for its copies.
 pub struct InFlight {
     pub plan: StepPlan,
+    /// The step's arm number: what its slots' stamps must show.
+    pub arm: u32,
     pub events: Vec<Event>,
     /// Requests that ended after this step: dropped once its rows are assembled.
     pub drops: Vec<String>,
@@ -67,30 +69,42 @@ impl DeviceSteps {
         self.backend.free_host()
     }
 
-    /// Starts a planned step of `rows` rows per slot on the device.
-    pub fn plan(&mut self, step: u64, rows: usize, runs: &[RowRun]) -> CoreResult<()> {
+    /// Arms a planned step of `rows` rows per slot on the device (see [`DeviceBackend::arm`]).
+    pub fn arm(&mut self, step: u64, arm: u32, rows: usize, runs: &[RowRun], stream: u64) -> CoreResult<()> {
         ensure!(
             rows <= self.backend.capacity(),
             ShapeContract,
             "step {step}: {rows} prompt rows do not fit the device arena of {} rows (sized from max_num_batched_tokens)",
             self.backend.capacity()
         );
-        self.backend.reset(rows, runs)
+        self.backend.arm(arm, rows, runs, stream)
     }
 
-    /// Enqueues the capture of one slot.
+    /// Disarms the armed step (its forward failed).
+    pub fn disarm(&mut self) -> CoreResult<()> {
+        self.backend.disarm()
+    }
+
+    /// Enqueues one slot's capture kernel.
     ///
     /// # Safety
-    /// As [`DeviceBackend::capture`].
-    pub unsafe fn capture(&mut self, slot: usize, hidden: &TensorDesc, residual: Option<&TensorDesc>, stream: u64) -> CoreResult<()> {
+    /// As [`DeviceBackend::launch`].
+    pub unsafe fn launch(
+        &mut self,
+        slot: usize,
+        point: i32,
+        hidden: &TensorDesc,
+        residual: Option<&TensorDesc>,
+        stream: u64,
+    ) -> CoreResult<()> {
         // SAFETY: forwarded from this function's contract.
-        unsafe { self.backend.capture(slot, hidden, residual, stream) }
+        unsafe { self.backend.launch(slot, point, hidden, residual, stream) }
     }
 
-    /// Ends a captured step: it is in flight until collected.
-    pub fn end(&mut self, plan: StepPlan, events: Vec<Event>) -> CoreResult<()> {
+    /// Ends an armed step: it is in flight until collected.
+    pub fn end(&mut self, plan: StepPlan, events: Vec<Event>, arm: u32) -> CoreResult<()> {
         self.backend.end_step()?;
-        self.pending.push_back(InFlight { plan, events, drops: Vec::new() });
+        self.pending.push_back(InFlight { plan, arm, events, drops: Vec::new() });
         Ok(())
     }
 

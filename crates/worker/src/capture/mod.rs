@@ -4,7 +4,8 @@
 //! - [`slots`]: which slots a step holds (captured, received from another stage, absent);
 //! - [`accounting`]: a captured step's checks, checksum and completed samples (worker thread);
 //! - [`step_buffers`]: the step buffers (a ring of CPU arenas) and where rows are scattered;
-//! - [`device_steps`]: device steps in flight behind a [`device::DeviceBackend`] ([`cuda`] on CUDA);
+//! - [`device_steps`]: device steps in flight behind a [`device::DeviceBackend`] ([`cuda`] on CUDA), and
+//!   [`stamps`]: what an armed step's stamps prove about its forward (CUDA graphs included);
 //! - [`scatter`] and [`assembler`]: rows copied into per-request samples, inline or on a thread;
 //! - [`stage_exchange`]: a step's rows sent to / received from another pipeline stage;
 //! - [`arena`], [`rows`], [`tensor`]: a step's rows in host memory, and tensors from the caller.
@@ -22,6 +23,7 @@ pub mod scatter;
 pub mod session;
 pub mod slots;
 pub mod stage_exchange;
+pub mod stamps;
 pub mod step;
 pub mod step_buffers;
 pub mod tensor;

@@ -107,13 +107,13 @@ impl StepProtocol {
         Ok(Admitted { name, rows, runs })
     }
 
-    /// Closes the step: every expected slot held (when a forward ran), attribution committed, the hook
-    /// called for each request whose prompt completed. Returns the step's plan (an empty one when no
-    /// forward ran) and events.
-    pub fn end(&mut self) -> CoreResult<(StepPlan, Vec<Event>)> {
+    /// Closes the step: with `check_slots`, every expected slot held (when a forward ran; a device checks its
+    /// stamps instead), attribution committed, the hook called for each request whose prompt completed. Returns
+    /// the step's plan (an empty one when no forward ran) and events.
+    pub fn end(&mut self, check_slots: bool) -> CoreResult<(StepPlan, Vec<Event>)> {
         let step = self.tracker.step();
         let plan = self.tracker.current_plan().cloned();
-        if plan.is_some() {
+        if plan.is_some() && check_slots {
             let missing = self.slots.missing();
             ensure!(
                 missing.is_empty(),

@@ -3,9 +3,10 @@
 //! ([`StepBuffers`]), device steps in flight ([`DeviceSteps`]) and accounting ([`Accounting`]).
 //!
 //! Per step: [`Session::begin_step`] with the scheduler output; [`Session::plan`] with the order the
-//! runner used (at the first hook of the forward); [`Session::capture`] once per layer slot;
+//! runner used (before the forward, or at its first hook); on a device, [`Session::arm`] before the forward;
+//! [`Session::capture`] once per layer slot (a replayed CUDA graph runs the device's launches without calling it);
 //! [`Session::end_step`]. Host captures are accounted at `end_step`; device captures later, in step
-//! order (see `device_steps.rs`). [`Session::flush`] accounts every step in flight. Each call that
+//! order (see `device_steps.rs`), once their stamps show that the forward captured every slot (`stamps.rs`). [`Session::flush`] accounts every step in flight. Each call that
 //! accounts returns the [`StepOutcome`]s of the steps it accounted, oldest first: the step checksum
 //! for the cross-rank check and, inline, the completed samples. The calls that account, and how many
 //! steps each does, depend only on the sequence of steps and the configuration, so every rank of a
@@ -13,13 +14,16 @@
 
 use std::sync::Arc;
 
+use crate::attribution::layers::CapturePoint;
 use crate::attribution::plan::{Event, SampleKey, StepInput, StepPlan, Tracker};
 use crate::capture::accounting::Accounting;
+use crate::capture::contract::{check_layer, check_tensor, slot_name};
 use crate::capture::device::{DeviceBackend, PinnedStep};
 use crate::capture::device_steps::DeviceSteps;
 pub use crate::capture::protocol::CompletionHook;
 use crate::capture::protocol::StepProtocol;
 use crate::capture::scatter::{Geometry, ScatterJob};
+use crate::capture::stamps::verify as verify_stamps;
 pub use crate::capture::step::{Aborted, SessionConfig, SessionStats, StepOutcome};
 use crate::capture::step_buffers::StepBuffers;
 use crate::capture::tensor::{Device, TensorDesc};
@@ -38,8 +42,12 @@ pub struct Session {
     /// Before `device`: dropped (its thread joined) first, since it may read the device's buffers.
     buffers: StepBuffers,
     device: Option<DeviceSteps>,
-    /// Whether the step in progress was captured on the device.
-    on_device: bool,
+    /// The arm number of the step in progress, once armed on the device.
+    armed: Option<u32>,
+    /// The last arm number given out (never 0: 0 is the device's "disarmed").
+    arms: u32,
+    /// Each slot's capture point, as its taps and stamps carry it.
+    points: Vec<i32>,
     failure: Failure,
     pool: Arc<BufferPool>,
     aborted: Vec<Aborted>,
@@ -56,12 +64,15 @@ impl Session {
         let pool = Arc::new(BufferPool::new(256));
         let geo = Geometry { slots: cfg.layers.num_slots(), width: cfg.hidden_size, dtype: cfg.out_dtype, quantized: false };
         let names: Arc<[String]> = (0..geo.slots).map(|s| crate::capture::contract::slot_name(&cfg.layers, s)).collect();
+        let points = cfg.layers.points().into_iter().map(|p| p.code()).collect();
         Ok(Session {
             buffers: StepBuffers::new(geo, names, Arc::clone(&pool), failure.clone()),
             protocol: StepProtocol::new(cfg),
             accounting: Accounting::default(),
             device: None,
-            on_device: false,
+            armed: None,
+            arms: 0,
+            points,
             failure,
             pool,
             aborted: Vec::new(),
@@ -132,10 +143,6 @@ impl Session {
         self.buffers.background()
     }
 
-    pub fn has_device(&self) -> bool {
-        self.device.is_some()
-    }
-
     pub fn config(&self) -> &SessionConfig {
         self.protocol.config()
     }
@@ -200,7 +207,7 @@ impl Session {
                 }
             }
         }
-        self.on_device = false;
+        self.armed = None;
         Ok(prev)
     }
 
@@ -235,10 +242,15 @@ impl Session {
         let Some(dev) = self.device.as_mut() else {
             bail!(Compatibility, "a device step is pending but the device path is gone");
         };
+        let t = std::time::Instant::now();
         let (p, buf) = dev.collect_oldest()?;
+        self.accounting.stats.wait_copies_ns += u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let present = self.protocol.slots().present();
-        let accounted =
-            buf.rows().and_then(|rows| self.accounting.account(self.protocol.config(), &p.plan, p.events, &*rows, &present, &present));
+        let layers = &self.protocol.config().layers;
+        let stamped = buf.stamps().and_then(|st| verify_stamps(&p.plan, p.arm, &st, &self.points, &present, |s| slot_name(layers, s)));
+        let accounted = stamped.and_then(|()| {
+            buf.rows().and_then(|rows| self.accounting.account(self.protocol.config(), &p.plan, p.events, &*rows, &present, &present))
+        });
         let (mut out, job) = match accounted {
             Ok(x) => x,
             Err(e) => {
@@ -279,21 +291,39 @@ impl Session {
 
     /// Fixes the step's row layout from the runner's request order.
     pub fn plan(&mut self, order: &[String]) -> CoreResult<&StepPlan> {
-        let plan = self.protocol.plan(order)?;
-        let (step, rows, runs) = (plan.step, plan.arena_rows, plan.runs());
+        let rows = self.protocol.plan(order)?.arena_rows;
         self.buffers.arena_mut().reset(rows);
-        if let Some(dev) = self.device.as_mut() {
-            // Every free pinned buffer is with the assembler thread: wait for one (none free and none
-            // out is the device's error to report, in `plan`).
-            while self.buffers.pinned_out() > 0 && dev.free_host() == 0 {
-                self.buffers.reclaim(true, Some(dev))?;
-            }
-            dev.plan(step, rows, &runs)?;
-        }
         match self.protocol.current_plan() {
             Some(p) => Ok(p),
             None => bail!(Attribution, "the step plan was lost"),
         }
+    }
+
+    /// Arms the planned step on the device, on `stream` (the forward's): from now on the capture kernels of the
+    /// forward, launched by hooks or replayed from a CUDA graph, store the step's rows. A step with no rows to capture
+    /// is not armed (its kernels write nothing). Once per step; nothing without a device.
+    pub fn arm(&mut self, stream: u64) -> CoreResult<()> {
+        let (Some(plan), None) = (self.protocol.current_plan(), self.armed) else {
+            return Ok(());
+        };
+        let (step, rows, runs) = (plan.step, plan.arena_rows, plan.runs());
+        let Some(dev) = self.device.as_mut() else {
+            return Ok(());
+        };
+        if rows == 0 {
+            return Ok(());
+        }
+        // Every free pinned buffer is with the assembler thread: wait for one (none free and none out is the
+        // device's error to report, in `arm`).
+        let t = std::time::Instant::now();
+        while self.buffers.pinned_out() > 0 && dev.free_host() == 0 {
+            self.buffers.reclaim(true, Some(dev))?;
+        }
+        self.accounting.stats.wait_ring_ns += u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let arm = self.arms.checked_add(1).filter(|&a| a != 0).unwrap_or(1);
+        dev.arm(step, arm, rows, &runs, stream)?;
+        (self.arms, self.armed) = (arm, Some(arm));
+        Ok(())
     }
 
     /// Tests only: holds the assembler thread until the returned sender is dropped.
@@ -302,31 +332,68 @@ impl Session {
         self.buffers.hold().expect("background assembly")
     }
 
-    /// Captures slot `slot` from `hidden` (+ `residual`) for the planned rows: host tensors into the
-    /// arena now, device tensors through the device path on `stream` (a raw CUDA stream handle).
+    /// Slot `slot`'s capture point code, after checking that `point` (a compiled graph's tap's) is that one.
+    pub fn check_point(&self, slot: usize, point: Option<i32>) -> CoreResult<i32> {
+        ensure!(slot < self.points.len(), ShapeContract, "slot {slot} does not exist ({} layer slots)", self.points.len());
+        let want = self.points[slot];
+        if let Some(p) = point.filter(|&p| p != want) {
+            bail!(
+                Compatibility,
+                "the compiled graph taps {} for {}, but this capture reads {} there: vLLM loaded a torch.compile \
+                 artifact cached by a run with other capture settings; set VLLM_DISABLE_COMPILE_CACHE=1, or give the \
+                 settings in additional_config",
+                CapturePoint::describe(p),
+                slot_name(&self.protocol.config().layers, slot),
+                CapturePoint::describe(want)
+            );
+        }
+        Ok(want)
+    }
+
+    /// Captures slot `slot` from `hidden` (+ `residual`): host tensors into the arena now, for the planned rows;
+    /// device tensors through the device's capture kernel on `stream` (a raw CUDA stream handle), armed first if the
+    /// step was not (a step planned at the forward's first hook). `point`: the capture point a compiled graph's tap
+    /// carries, checked against the slot's own. Outside a step a device tensor's launch writes nothing: that is
+    /// the launch a CUDA graph records when vLLM captures it.
     ///
     /// # Safety
     /// Both descriptors must describe live memory of the described extent that nobody writes while
     /// this call runs (host) or until the work enqueued on `stream` has run (device).
-    pub unsafe fn capture(&mut self, slot: usize, hidden: &TensorDesc, residual: Option<&TensorDesc>, stream: u64) -> CoreResult<()> {
-        let a = self.protocol.admit(slot, hidden, residual)?;
-        if let Device::Cuda(_) = hidden.device {
-            let Some(dev) = self.device.as_mut() else {
-                bail!(
-                    Compatibility,
-                    "{}: the tensor is on {} but the device path is not enabled here; the Python worker falls back \
-                     to host copies when it cannot enable it",
-                    a.name,
-                    hidden.device
-                );
-            };
-            // SAFETY: forwarded from this function's contract.
-            unsafe { dev.capture(slot, hidden, residual, stream)? };
-            self.on_device = true;
-            return Ok(());
+    pub unsafe fn capture(
+        &mut self,
+        slot: usize,
+        point: Option<i32>,
+        hidden: &TensorDesc,
+        residual: Option<&TensorDesc>,
+        stream: u64,
+    ) -> CoreResult<()> {
+        let want = self.check_point(slot, point)?;
+        let layers = &self.protocol.config().layers;
+        let Device::Cuda(_) = hidden.device else {
+            let a = self.protocol.admit(slot, hidden, residual)?;
+            // SAFETY: forwarded from this function's contract (host tensors).
+            return unsafe { self.buffers.capture_host(slot, &a.name, (hidden, residual), a.rows, &a.runs) };
+        };
+        let name = slot_name(layers, slot);
+        ensure!(
+            self.device.is_some(),
+            Compatibility,
+            "{name}: the tensor is on {} but the device path is not enabled here; the Python worker falls back to \
+             host copies when it cannot enable it",
+            hidden.device
+        );
+        match self.protocol.current_plan() {
+            Some(plan) => {
+                check_layer(self.protocol.config(), plan, &name, hidden, residual)?;
+                self.arm(stream)?;
+            }
+            None => check_tensor(self.protocol.config(), &name, hidden, residual)?,
         }
-        // SAFETY: forwarded from this function's contract (host tensors).
-        unsafe { self.buffers.capture_host(slot, &a.name, (hidden, residual), a.rows, &a.runs) }
+        let Some(dev) = self.device.as_mut() else {
+            bail!(Compatibility, "{name}: the device path is gone");
+        };
+        // SAFETY: forwarded from this function's contract.
+        unsafe { dev.launch(slot, want, hidden, residual, stream) }
     }
 
     /// Ends the step: checks that every slot was captured and commits attribution. Host captures are
@@ -335,18 +402,23 @@ impl Session {
     pub fn end_step(&mut self) -> CoreResult<Vec<StepOutcome>> {
         let r = self.end_step_inner();
         if r.is_err() {
-            self.protocol.abandon();
+            // The step's own error is the one reported; a disarm that fails too has its own next.
+            let _ = self.abandon_step();
         }
         r
     }
 
     fn end_step_inner(&mut self) -> CoreResult<Vec<StepOutcome>> {
-        let (plan, events) = self.protocol.end()?;
-        if self.on_device {
+        // An armed step's stamps show which slots its forward captured (a replayed CUDA graph calls no hook); a device
+        // step with no rows to capture has nothing to show. Any other step must have captured every slot here.
+        let planned_rows = self.protocol.current_plan().map_or(0, |p| p.arena_rows);
+        let check_slots = self.armed.is_none() && (self.device.is_none() || planned_rows > 0);
+        let (plan, events) = self.protocol.end(check_slots)?;
+        if let Some(arm) = self.armed.take() {
             let Some(dev) = self.device.as_mut() else {
-                bail!(Compatibility, "step {} was captured on the device but the device path is gone", plan.step);
+                bail!(Compatibility, "step {} was armed on the device but the device path is gone", plan.step);
             };
-            dev.end(plan, events)?;
+            dev.end(plan, events, arm)?;
             // Overlap: the step before is accounted now, while this one is queued on the device behind
             // it (so that at the end of a run only the last step is left to assemble).
             let keep = dev.keep();
@@ -363,9 +435,13 @@ impl Session {
         Ok(outs)
     }
 
-    /// Drops the step in progress after a failed forward.
-    pub fn abandon_step(&mut self) {
+    /// Drops the step in progress after a failed forward (disarmed first: later forwards capture nothing).
+    pub fn abandon_step(&mut self) -> CoreResult<()> {
         self.protocol.abandon();
+        match (self.armed.take(), self.device.as_mut()) {
+            (Some(_), Some(dev)) => dev.disarm(),
+            _ => Ok(()),
+        }
     }
 
     /// Declares the slots this rank will neither capture nor receive (pipeline parallelism: the layers
@@ -382,7 +458,11 @@ impl Session {
     /// This step's rows of `slots` (captured here) as one message for the assembling stage.
     pub fn export_slots(&self, slots: &[usize]) -> CoreResult<Vec<u8>> {
         let step = self.protocol.step();
-        ensure!(!self.on_device, Compatibility, "step {step}: pipeline stages exchange host rows; this step was captured on the device");
+        ensure!(
+            self.armed.is_none(),
+            Compatibility,
+            "step {step}: pipeline stages exchange host rows; this step was captured on the device"
+        );
         self.protocol.export(self.buffers.arena(), slots)
     }
 

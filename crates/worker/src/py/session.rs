@@ -97,6 +97,17 @@ impl CaptureSession {
         guard("capture_points", || Ok(super::functions::points(&self.inner.session().config().layers)))
     }
 
+    /// Checks that `point` (a compiled graph's tap's) is slot `slot`'s capture point; a `CompatibilityError` if not.
+    fn check_point(&self, slot: usize, point: i32) -> PyResult<()> {
+        guard("check_point", || Ok(self.inner.session().check_point(slot, Some(point)).map(|_| ())?))
+    }
+
+    /// Each slot's capture point as the number a compiled graph's tap carries (`k`: the output of decoder layer `k`;
+    /// -1: the embeddings).
+    fn point_codes(&self) -> PyResult<Vec<i32>> {
+        guard("point_codes", || Ok(self.inner.session().config().layers.points().into_iter().map(|p| p.code()).collect()))
+    }
+
     #[getter]
     fn layer_ids(&self) -> PyResult<Vec<usize>> {
         guard("layer_ids", || Ok(self.inner.session().config().layers.ids.clone()))
@@ -158,17 +169,21 @@ impl CaptureSession {
         })
     }
 
-    /// Fixes the step's layout from the runner's request order; returns the number of prompt rows.
-    fn plan(&mut self, py: Python<'_>, order: Vec<String>) -> PyResult<usize> {
+    /// Fixes the step's layout from the runner's request order; with `stream` (the forward's, a raw CUDA stream
+    /// handle) also arms the device capture for it, before the forward. Returns the number of prompt rows.
+    #[pyo3(signature = (order, stream=None))]
+    fn plan(&mut self, py: Python<'_>, order: Vec<String>, stream: Option<u64>) -> PyResult<usize> {
         guard("plan", || {
             let inner = &mut self.inner;
-            Ok(py.detach(|| inner.plan(&order))?)
+            Ok(py.detach(|| inner.plan(&order, stream))?)
         })
     }
 
     /// Captures slot `slot` from a layer's hidden states (+ residual): torch tensors, read in place
-    /// (host) or by the capture kernel enqueued on `stream`, a raw CUDA stream handle (device).
-    #[pyo3(signature = (slot, hidden, residual=None, stream=0))]
+    /// (host) or by the capture kernel enqueued on `stream`, a raw CUDA stream handle (device; outside a step the
+    /// launch writes nothing: what a CUDA graph being captured records). `point`: the capture point a compiled
+    /// graph's tap carries, checked against the slot's.
+    #[pyo3(signature = (slot, hidden, residual=None, stream=0, point=None))]
     fn capture(
         &mut self,
         py: Python<'_>,
@@ -176,6 +191,7 @@ impl CaptureSession {
         hidden: &Bound<'_, PyAny>,
         residual: Option<&Bound<'_, PyAny>>,
         stream: u64,
+        point: Option<i32>,
     ) -> PyResult<()> {
         guard("capture", || {
             let h = describe(hidden, "hidden states")?;
@@ -184,8 +200,9 @@ impl CaptureSession {
             // SAFETY: `hidden` and `residual` are borrowed for this whole call, so their memory stays
             // allocated; vLLM's forward is paused inside the hook that called us, so nothing writes to
             // it while the GIL is released; device work is enqueued on the stream PyTorch's forward uses,
-            // so it runs before the caching allocator can hand the memory to anything later.
-            py.detach(|| unsafe { inner.capture(slot, &h, r.as_ref(), stream) })?;
+            // so it runs before the caching allocator can hand the memory to anything later (a CUDA graph that
+            // records the launch owns the memory it recorded).
+            py.detach(|| unsafe { inner.capture(slot, point, &h, r.as_ref(), stream) })?;
             Ok(())
         })
     }
@@ -230,8 +247,8 @@ impl CaptureSession {
     /// Captures CUDA tensors on device `ordinal` from now on: compiles the capture kernel (NVRTC) and
     /// allocates the fixed device arena of `capacity_rows` rows per layer and `host_ring` pinned host
     /// buffers. With `overlap`, a step begins while the previous one's forward and copies are in flight
-    /// (needs `host_ring` ≥ 2). With `fp8`, each step is quantized on the device (the fp8 format's codes and
-    /// scales cross PCIe). Returns the architecture the kernel was built for.
+    /// (needs `host_ring` ≥ 2; the arena has two halves). With `fp8`, each step is quantized on the device (the fp8
+    /// format's codes and scales cross PCIe). Returns the architecture the kernel was built for.
     #[pyo3(signature = (ordinal, capacity_rows, host_ring=2, overlap=true, fp8=false))]
     fn enable_device(
         &mut self,
@@ -245,7 +262,8 @@ impl CaptureSession {
         guard("enable_device", || {
             let cfg = self.inner.session().config().clone();
             let (slots, width, dtype) = (cfg.layers.num_slots(), cfg.hidden_size, cfg.out_dtype);
-            let dev = py.detach(|| CudaDevice::new(ordinal, slots, width, dtype, capacity_rows, host_ring, fp8))?;
+            let halves = 1 + usize::from(overlap);
+            let dev = py.detach(|| CudaDevice::new(ordinal, slots, width, dtype, capacity_rows, halves, host_ring, fp8))?;
             let arch = dev.arch().to_string();
             self.inner.set_device(Box::new(dev), overlap)?;
             Ok(arch)
@@ -295,12 +313,9 @@ impl CaptureSession {
         guard("take_skipped", || Ok(self.inner.session_mut().take_skipped().into_iter().map(|(k, r, why)| (key_str(&k), r, why)).collect()))
     }
 
-    /// Drops the step in progress (its forward failed).
+    /// Drops the step in progress (its forward failed); a device capture armed for it is disarmed.
     fn abandon_step(&mut self) -> PyResult<()> {
-        guard("abandon_step", || {
-            self.inner.session_mut().abandon_step();
-            Ok(())
-        })
+        guard("abandon_step", || Ok(self.inner.session_mut().abandon_step()?))
     }
 
     /// Compares the step checksums gathered from every rank of a group (index = group rank).
@@ -368,7 +383,8 @@ impl CaptureSession {
         })
     }
 
-    /// Running totals: steps, rows, samples, aborted, skipped, live_requests, held_bytes.
+    /// Running totals: steps, rows, samples, aborted, skipped, live_requests, held_bytes, and the nanoseconds the
+    /// worker's thread spent in each call (`ns_*`).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         guard("stats", || {
             let s = self.inner.session();
@@ -381,6 +397,20 @@ impl CaptureSession {
             d.set_item("skipped", st.skipped)?;
             d.set_item("live_requests", s.tracker().live_requests())?;
             d.set_item("held_bytes", s.held_bytes())?;
+            // Where the worker's thread spent its time in the core (nanoseconds, summed over the run).
+            let t = self.inner.times;
+            for (k, v) in [
+                ("ns_begin_step", t.begin_step),
+                ("ns_plan", t.plan),
+                ("ns_capture", t.capture),
+                ("ns_end_step", t.end_step),
+                ("ns_release", t.release),
+                ("ns_wait_backlog", t.backlog),
+                ("ns_wait_ring", st.wait_ring_ns),
+                ("ns_wait_copies", st.wait_copies_ns),
+            ] {
+                d.set_item(k, v)?;
+            }
             Ok(d)
         })
     }

@@ -51,11 +51,11 @@ fn step(w: &mut WorkerSession, i: u64) -> Vec<StepReport> {
 fn step_unreleased(w: &mut WorkerSession, i: u64) -> Vec<StepReport> {
     let id = format!("r{i}");
     w.begin_step(whole_prompt(&id, vec![1, 2, 3], Some(i))).unwrap();
-    w.plan(&[id]).unwrap();
+    w.plan(&[id], None).unwrap();
     let h = [0.5f32, 1.5, 2.5, 3.5, 4.5, 5.5];
     let t = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![3, 2], strides: vec![2, 1], dtype: DType::F32, device: Device::Cpu };
     // SAFETY: `h` lives for the call and nobody writes it.
-    unsafe { w.capture(0, &t, None, 0).unwrap() };
+    unsafe { w.capture(0, None, &t, None, 0).unwrap() };
     w.end_step().unwrap()
 }
 
@@ -177,11 +177,11 @@ fn an_aborted_request_with_outputs_gives_up_its_lock_and_its_lock_file() {
         ..Default::default()
     };
     w.begin_step(first).unwrap();
-    w.plan(&["q".to_string()]).unwrap();
+    w.plan(&["q".to_string()], None).unwrap();
     let h = [0.5f32, 1.5, 2.5, 3.5];
     let t = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![2, 2], strides: vec![2, 1], dtype: DType::F32, device: Device::Cpu };
     // SAFETY: `h` lives for the call and nobody writes it.
-    unsafe { w.capture(0, &t, None, 0).unwrap() };
+    unsafe { w.capture(0, None, &t, None, 0).unwrap() };
     w.end_step().unwrap();
     let lock = d.path().join("q.safetensors.lock");
     assert!(lock.exists(), "held from the request's first step (its file would complete after its response)");
@@ -255,11 +255,11 @@ fn a_release_does_not_wait_for_the_samples_of_the_step_still_in_flight() {
     w.set_device(Box::new(HostDevice::new(1, 16, 3)), true).unwrap();
     w.begin_step(whole_prompt("r0", vec![1, 2, 3], None)).unwrap();
     w.release().unwrap();
-    w.plan(&["r0".to_string()]).unwrap();
+    w.plan(&["r0".to_string()], None).unwrap();
     let h: Vec<f32> = (0..12).map(|i| i as f32 + 0.5).collect();
     let t = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![3, 4], strides: vec![4, 1], dtype: DType::F32, device: Device::Cuda(0) };
     // SAFETY: `h` lives for the call; the stand-in device copies it at once.
-    unsafe { w.capture(0, &t, None, 0).unwrap() };
+    unsafe { w.capture(0, None, &t, None, 0).unwrap() };
     w.end_step().unwrap();
     w.release().unwrap(); // returns: r0's rows are in flight (its file needs the next step)
     assert!(!d.path().join("r0.safetensors").exists());
@@ -276,11 +276,11 @@ fn a_layer_that_is_one_row_for_every_token_is_refused_and_not_written() {
     let d = tempfile::tempdir().unwrap();
     let mut w = WorkerSession::new(cfg(true), out(Some(d.path().into()))).unwrap();
     w.begin_step(whole_prompt("r", vec![1, 2, 3], Some(7))).unwrap();
-    w.plan(&["r".to_string()]).unwrap();
+    w.plan(&["r".to_string()], None).unwrap();
     let h = [0.5f32, 1.5, 0.5, 1.5, 0.5, 1.5]; // three tokens, one row
     let t = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![3, 2], strides: vec![2, 1], dtype: DType::F32, device: Device::Cpu };
     // SAFETY: `h` lives for the call and nobody writes it.
-    unsafe { w.capture(0, &t, None, 0).unwrap() };
+    unsafe { w.capture(0, None, &t, None, 0).unwrap() };
     let e = w.end_step().unwrap_err();
     assert_eq!(e.kind, crate::error::ErrorKind::DegenerateStates);
     assert!(e.message.contains("sample 7") && e.message.contains("layer id 1") && e.message.contains("the same row"), "{e}");

@@ -7,6 +7,7 @@ scheduler output, the order the model runner laid a step out in, the tensor-para
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from .. import envs
@@ -129,37 +130,48 @@ def step_args(so: Any) -> tuple:
 
 
 class RunnerOrder:
-    """The order in which the model runner laid out the step being executed, read from the runner itself.
+    """The order in which the model runner laid out the step being executed, read from the runner itself, and the
+    point just before the step's forward, where the step is planned (and armed on the device).
 
-    - V1 runner (``GPUModelRunner``, ``CPUModelRunner``): ``input_batch.req_ids[:num_reqs]`` is the
-      persistent batch the forward reads, each request's tokens consecutive.
-    - Model Runner V2 (no ``input_batch``; it sorts each step itself: decodes, short extends, prefills):
-      the ``InputBatch`` its ``prepare_inputs`` returned for this step, kept by wrapping that method on
-      the runner instance. Its ``query_start_loc_np`` must show each request's tokens consecutive in
-      ``req_ids`` order, and its per-request counts must equal the scheduler's; anything else is refused.
+    - Model Runner V2 (no ``input_batch``; it sorts each step itself: decodes, short extends, prefills): the
+      ``InputBatch`` its ``prepare_inputs`` returned for this step, kept by wrapping that method on the runner
+      instance. Its ``query_start_loc_np`` must show each request's tokens consecutive in ``req_ids`` order, and its
+      per-request counts must equal the scheduler's; anything else is refused. The forward follows that call.
+    - V1 runner (``GPUModelRunner``, ``CPUModelRunner`` of vLLM ≤ 0.33): ``input_batch.req_ids[:num_reqs]`` is the
+      persistent batch the forward reads, each request's tokens consecutive; its ``_prepare_inputs`` runs after the
+      batch was reordered for the step and before the forward, and is wrapped the same way where it exists.
+
+    ``before_forward`` (if given) is called right after that method returns, on every step that runs a forward;
+    ``pre_forward`` says whether this runner has such a point (CUDA graphs need it: a replayed graph calls no hook).
     """
 
-    def __init__(self, model_runner: Any) -> None:
+    def __init__(self, model_runner: Any, before_forward: Any = None) -> None:
         self.runner = model_runner
         self._batch: Any = None
+        self.before_forward = before_forward
         if hasattr(model_runner, "input_batch"):
-            self.kind = "v1"
+            self.kind, method = "v1", "_prepare_inputs"
         elif callable(getattr(model_runner, "prepare_inputs", None)):
-            self.kind = "v2"
-            inner = model_runner.prepare_inputs
-
-            def prepare_inputs(*args: Any, **kwargs: Any) -> Any:
-                batch = inner(*args, **kwargs)
-                self._batch = batch
-                return batch
-
-            model_runner.prepare_inputs = prepare_inputs  # this instance only
+            self.kind, method = "v2", "prepare_inputs"
         else:
             raise CompatibilityError(
                 f"the model runner {type(model_runner).__module__}.{type(model_runner).__name__} has neither "
                 "`input_batch` (V1 runner) nor `prepare_inputs` (Model Runner V2); hscapture cannot read the token order "
-                "it uses and will not guess. Try VLLM_USE_V2_MODEL_RUNNER=0 or 1, and report this vLLM version"
+                "it uses and will not guess. Please report this vLLM version"
             )
+        inner = getattr(model_runner, method, None)
+        self.pre_forward = callable(inner)
+        if self.pre_forward:
+
+            def prepared(*args: Any, **kwargs: Any) -> Any:
+                out = inner(*args, **kwargs)
+                if self.kind == "v2":
+                    self._batch = out
+                if self.before_forward is not None:
+                    self.before_forward()
+                return out
+
+            setattr(model_runner, method, prepared)  # this instance only
 
     def reset(self) -> None:
         """At the start of each step: the previous step's batch must never be read for this one."""
@@ -173,7 +185,8 @@ class RunnerOrder:
         if b is None:
             raise CompatibilityError(
                 "Model Runner V2 ran a forward for this step without calling `prepare_inputs` (or hscapture's wrapper "
-                "was replaced); the step's token order is unknown — run with VLLM_USE_V2_MODEL_RUNNER=0"
+                "was replaced); the step's token order is unknown and hscapture will not guess. Please report this "
+                "vLLM version"
             )
         n = int(b.num_reqs)
         ids = list(b.req_ids[:n])
@@ -182,8 +195,8 @@ class RunnerOrder:
         if starts[0] != 0 or any(starts[i + 1] - starts[i] != counts[i] for i in range(n)):
             raise CompatibilityError(
                 f"Model Runner V2 laid out this step's {n} requests non-contiguously (query_start_loc {starts[:9]}, "
-                f"counts {counts[:8]}); hscapture reads each request's tokens as one consecutive run and will not guess "
-                "— run with VLLM_USE_V2_MODEL_RUNNER=0"
+                f"counts {counts[:8]}); hscapture reads each request's tokens as one consecutive run and will not guess. "
+                "Please report this vLLM version and the settings that produced it"
             )
         if scheduled is not None and dict(zip(ids, counts, strict=True)) != {k: int(v) for k, v in scheduled.items()}:
             from ..errors import AttributionError
@@ -211,44 +224,67 @@ def engine_in_caller() -> bool:
         return False
 
 
-def compiled(vllm_config: Any) -> bool:
-    """Whether vLLM will run the model through torch.compile (the hooks are then traced into its graph and
-    call hscapture's ops, ``traced.py``). Refuses what is not verified: CUDA graphs (a replayed graph would
-    not call the ops, so prompt tokens would be silently lost), vLLM's sequence-parallelism pass (it shards the
-    residual across TP ranks inside the compiled graph, where the taps are not verified) and torch.compile on
-    CUDA unless opted in (``HSCAPTURE_CUDA_COMPILE=1``: run on an H200 with the V1 runner only)."""
+@dataclass(frozen=True)
+class Execution:
+    """How vLLM will run the model: ``compiled`` (through torch.compile: the hooks are traced into its graph and call
+    hscapture's ops, ``traced.py``) and ``graphs`` (the ``cudagraph_mode`` when CUDA graphs replay the forward, else
+    None: the capture then lives in the graph through the device path, ``wiring.py``)."""
+
+    mode: int = 0
+    graphs: str | None = None
+
+    @property
+    def compiled(self) -> bool:
+        return self.mode != 0
+
+    def describe(self) -> str:
+        parts = [f"compilation mode {self.mode}" if self.compiled else "eager"]
+        if self.graphs:
+            parts.append(f"cudagraph_mode {self.graphs}")
+        return ", ".join(parts)
+
+
+def execution(vllm_config: Any) -> Execution:
+    """How vLLM will run the model (see ``Execution``). Refuses what cannot be verified: vLLM's sequence-parallelism
+    pass (it shards the residual across TP ranks inside the compiled graph, where the taps see only a shard) and
+    dual-batch overlap (two micro-batches of one step through the layers, each a part of the step's rows)."""
     cc = getattr(vllm_config, "compilation_config", None)
     mode = getattr(cc, "mode", None)
     if mode is None:
         mode = getattr(cc, "level", 0)
     mode = int(mode or 0)
-    if mode == 0:
-        return False
-    cudagraphs = getattr(cc, "cudagraph_mode", None)
+    graphs = getattr(cc, "cudagraph_mode", None)
+    name = None if graphs is None else str(getattr(graphs, "name", graphs))
     device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cuda"))
-    if cudagraphs is not None and getattr(cudagraphs, "name", str(cudagraphs)) != "NONE":
-        raise CompatibilityError(
-            f"hscapture cannot capture inside CUDA graphs (compilation mode {mode}, cudagraph_mode {cudagraphs}): a "
-            "replayed graph skips the capture; start vLLM with enforce_eager=True (`--enforce-eager`)"
-        )
-    if device != "cpu":
-        if not envs.get("HSCAPTURE_CUDA_COMPILE"):
+    if name == "NONE" or device == "cpu":
+        name = None  # vLLM's CPU platform replays no graphs
+    pc = getattr(vllm_config, "parallel_config", None)
+    for flag in ("enable_dbo", "use_ubatching"):
+        if getattr(pc, flag, None) is True:
             raise CompatibilityError(
-                f"capturing under torch.compile (compilation mode {mode}) is verified on vLLM's CPU platform and, on "
-                f"{device}, only as an opt-in so far (one H200 run, V1 runner); start vLLM with enforce_eager=True "
-                "(`--enforce-eager`), or set HSCAPTURE_CUDA_COMPILE=1 to use it (with cudagraph_mode NONE)"
+                f"vLLM's dual-batch overlap is on (parallel_config.{flag}): each step's tokens go through the layers as "
+                "two micro-batches, and hscapture attributes whole steps; expected it off. Start vLLM without "
+                "--enable-dbo"
             )
     # vLLM runs its inductor passes in VLLM_COMPILE only; the CPU platform traces once (DYNAMO_TRACE_ONCE).
     passes = getattr(cc, "pass_config", None) if mode == _VLLM_COMPILE else None
-    for name in ("enable_sp", "enable_sequence_parallelism"):  # vLLM's names for the pass, newer and older
-        if getattr(passes, name, None) is True:
+    for flag in ("enable_sp", "enable_sequence_parallelism"):  # vLLM's names for the pass, newer and older
+        if getattr(passes, flag, None) is True:
             raise CompatibilityError(
-                f"vLLM's sequence-parallelism pass is on (compilation_config.pass_config.{name}=True): it shards "
-                "the residual across the TP ranks inside the compiled graph, where hscapture's taps are not "
-                f'verified; turn it off (`--vllm-arg \'compilation_config={{"pass_config": {{"{name}": false}}}}\'`, '
+                f"vLLM's sequence-parallelism pass is on (compilation_config.pass_config.{flag}=True): it shards "
+                "the residual across the TP ranks inside the compiled graph, where hscapture's taps see only a shard; "
+                f'turn it off (`--vllm-arg \'compilation_config={{"pass_config": {{"{flag}": false}}}}\'`, '
                 "or the same compilation_config in vllm.LLM) or run eager (no --compile / enforce_eager=True)"
             )
-    return True
+    return Execution(mode, name)
+
+
+def sequence_parallel_moe(vllm_config: Any) -> bool:
+    """Whether MoE layers shard the residual stream across the TP ranks (vLLM's sequence-parallel MoE, with expert
+    parallelism and data parallelism): the layers' tensors then hold a shard of the step's rows."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    flag = getattr(pc, "use_sequence_parallel_moe", None)
+    return bool(flag() if callable(flag) else flag)
 
 
 class TPGroup:

@@ -8,11 +8,14 @@ forward's positions, whose length a sharded residual stream was split from): opa
 every forward with that forward's tensors, and marked as having side effects, because AOTAutograd and
 inductor remove an op that returns nothing otherwise.
 
-Nothing specific to a process is baked into the graph, only each tap's slot and capture point (which follow
-from the capture settings): vLLM may load a compiled graph from its cache in a later process, keyed by a hash
-of the configuration. The ops call the one capture *active* in this process, which checks each tap's point
-against its own settings (a graph cached by a run with other settings is refused, not trusted); a graph that
-outlives its capture (the hooks cannot be taken out of it) then does nothing.
+Nothing specific to a process is baked into the graph, only each tap's slot and capture point (the core's point
+code: ``k`` for the output of decoder layer ``k``, -1 for the embeddings): vLLM may load a compiled graph from its
+cache in a later process, keyed by a hash of the configuration. The ops call the one capture *active* in this
+process, whose core checks each tap's point against its own settings (a graph cached by a run with other settings is
+refused, not trusted); a graph that outlives its capture (the hooks cannot be taken out of it) then does nothing.
+
+Under CUDA graphs the ops' Python runs when vLLM captures a graph (and for batches no graph covers); what the
+capture needs at every replay is the device launch it made then (``worker_capture.py``, ``cuda/mod.rs``).
 """
 
 from __future__ import annotations
@@ -25,16 +28,6 @@ from ..errors import CompatibilityError
 
 _ACTIVE: tuple[Callable, Callable] | None = None
 _DEFINED = False
-
-
-def point_code(kind: str, k: int) -> int:
-    """A capture point as the number a tap carries: ``k`` for the output of decoder layer ``k``,
-    ``-(k + 1)`` for the input of layer ``k`` (the embeddings, for ``k`` = 0)."""
-    return k if kind == "layer_output" else -(k + 1)
-
-
-def describe(code: int) -> str:
-    return f"the output of decoder layer {code}" if code >= 0 else f"the input of decoder layer {-code - 1}"
 
 
 def _define() -> None:

@@ -1,6 +1,7 @@
 """From a vLLM worker to its ``WorkerCapture``: the model's facts, the Rust session and its output, the
 rank meetings, the capture path (the CUDA device path or host copies), the pipeline-stage link and the
-hooks (eager, or traced into vLLM's torch.compile graph). Nothing here runs per step."""
+hooks (eager, or traced into vLLM's torch.compile graph; under CUDA graphs their device launches are recorded into
+the graphs). Nothing here runs per step."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def assembly_ring() -> int:
 
 def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
     vc = worker.vllm_config
-    compiled = vllm_compat.compiled(vc)
+    ex = vllm_compat.execution(vc)
     pp_size, pp_rank = vllm_compat.pp_info()
     n_layers, hidden, model_dtype, model = model_facts(vc)
     layer_ids = cfg.resolve(n_layers)
@@ -110,17 +111,20 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         path, failure = DevicePath("failed"), e
     sync.agree_on_path(path.kind, path.overlap, failure)
     codes = None
-    if compiled:
-        try:
-            codes = trace_codes(vc, points)
-        except BaseException:
-            session.finish()  # nothing stays active (as install_hooks leaves it on failure)
-            raise
+    try:
+        order = vllm_compat.RunnerOrder(worker.model_runner)
+        if ex.graphs:
+            check_graphs(ex, path, pp_size, tp.size, order, vc)
+        if ex.compiled:
+            codes = trace_codes(vc, session)
+    except BaseException:
+        session.finish()  # nothing stays active (as install_hooks leaves it on failure)
+        raise
     cap = cls(
         cfg,
         session,
         sync,
-        vllm_compat.RunnerOrder(worker.model_runner),
+        order,
         writer=writer,
         link=link,
         num_hidden_layers=n_layers,
@@ -134,14 +138,16 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         settle_each_step=cfg.staging and path.kind == "device" and vllm_compat.engine_in_caller(),
         traced_points=codes,
     )
+    order.before_forward = cap.before_forward
     install_hooks(cap, layers, points)
     log.info(
-        "hscapture: capturing %s ids %s at %s (%d hooks%s), tp rank %d/%d, pp rank %d/%d, writer=%s",
+        "hscapture: capturing %s ids %s at %s (%d hooks; %s%s), tp rank %d/%d, pp rank %d/%d, writer=%s",
         cfg.convention,
         cap.layer_ids,
         name,
         len(cap.handles),
-        ", traced into torch.compile" if compiled else "",
+        ex.describe(),
+        ": traced into torch.compile's graph" if ex.compiled else "",
         tp.rank,
         tp.size,
         pp_rank,
@@ -175,7 +181,8 @@ def enable_device(session: Any, cfg: CaptureConfig, writer: bool, vc: Any) -> De
     rows = int(vc.scheduler_config.max_num_batched_tokens)
     overlap = bool(envs.get("HSCAPTURE_DEVICE_OVERLAP"))
     try:
-        # The assembler's ring (ranks that only verify need one buffer), plus the step in flight.
+        # The assembler's ring (ranks that only verify need one buffer), plus the step in flight (with overlap the
+        # device arena has two halves: one step's kernels write one while the step before is copied from the other).
         ring = ((assembly_ring() if session.background else 0) or 1) + int(overlap)
         # fp8 files from the device path: quantized on the GPU after each step's last layer (codes and scales cross
         # PCIe), on the rank that writes them.
@@ -187,11 +194,12 @@ def enable_device(session: Any, cfg: CaptureConfig, writer: bool, vc: Any) -> De
         log.warning("hscapture: the CUDA capture path is unavailable (%s); copying to the host in the hook", e)
         return DevicePath("host")
     log.info(
-        "hscapture: CUDA capture kernel built for %s; device arena %.1f MiB for %d rows; %d pinned host "
+        "hscapture: CUDA capture kernel built for %s; device arena %.1f MiB for %d rows%s; %d pinned host "
         "buffer(s), assembly %s, steps %s%s",
         arch,
         session.device_bytes / 2**20,
         rows,
+        " in two halves" if overlap else "",
         ring,
         "on the assembler thread" if session.background else "inline",
         "overlapped" if overlap else "collected when the next begins",
@@ -200,13 +208,51 @@ def enable_device(session: Any, cfg: CaptureConfig, writer: bool, vc: Any) -> De
     return DevicePath("device", overlap, fp8)
 
 
-def trace_codes(vc: Any, points: list) -> tuple[int, ...]:
+def check_graphs(ex: Any, path: DevicePath, pp_size: int, tp_size: int, order: Any, vc: Any) -> None:
+    """Under CUDA graphs the capture lives in the graph: vLLM records the hooks' device launches when it captures its
+    graphs, and every replay stores the step armed before it (``cuda/mod.rs``). Refused, naming what to set instead,
+    where that cannot work."""
+    from ..errors import CompatibilityError
+
+    eager = "start vLLM with --enforce-eager (or compilation_config cudagraph_mode NONE)"
+    if pp_size > 1:
+        raise CompatibilityError(
+            f"CUDA graphs ({ex.describe()}) with pipeline parallelism ({pp_size} stages): the stages exchange each "
+            f"step's rows from host memory, which a replayed graph never fills; expected one stage under CUDA graphs. "
+            f"With pipeline stages, {eager}"
+        )
+    if path.kind != "device":
+        why = {
+            "host": "host copies in the hooks (HSCAPTURE_DEVICE_PATH=off, or the CUDA capture kernel could not be built: "
+            "the worker's log says why)",
+            "none": "no CUDA device",
+        }.get(path.kind, path.kind)
+        raise CompatibilityError(
+            f"CUDA graphs ({ex.describe()}) replay the forward without Python, so hscapture captures inside them only "
+            f"through its device path; expected it, found {why}. Set HSCAPTURE_DEVICE_PATH=auto (or required), or "
+            f"{eager}"
+        )
+    if not order.pre_forward:
+        raise CompatibilityError(
+            f"CUDA graphs ({ex.describe()}): the model runner {type(order.runner).__name__} has no step preparation "
+            f"hscapture can follow (`prepare_inputs` or `_prepare_inputs`), and a replayed graph calls no hook, so no "
+            f"step could be armed before its forward; {eager}, and please report this vLLM version"
+        )
+    if tp_size > 1 and vllm_compat.sequence_parallel_moe(vc):
+        raise CompatibilityError(
+            f"CUDA graphs ({ex.describe()}) with sequence-parallel MoE (expert and data parallelism): the residual "
+            f"stream is sharded across the {tp_size} TP ranks inside the graph, where hscapture cannot gather it; "
+            f"{eager}"
+        )
+
+
+def trace_codes(vc: Any, session: Any) -> tuple[int, ...]:
     """Under torch.compile, each slot's capture point as its tap carries it (traced.py); also put in the config
     vLLM hashes for its compile cache, since settings given by environment variables alone would not be in it."""
     from . import traced
 
     traced.ensure_ops()
-    codes = tuple(traced.point_code(kind, k) for kind, k in points)
+    codes = tuple(int(c) for c in session.point_codes())
     if isinstance(getattr(vc, "additional_config", None), dict):
         vc.additional_config["hscapture_traced_points"] = list(codes)
     return codes

@@ -1,9 +1,11 @@
 """Capture on one worker: the per-step protocol around the Rust ``CaptureSession``.
 
-Per step (``execute_model``, bracketed by :func:`run_step`): ``begin`` with the scheduler output; the
-first hook of the forward reads the order the runner laid the step out in and fixes the plan; each hook
-captures its slot; ``end`` checks the contract, meets the other tensor-parallel ranks (``ranksync.py``)
-and, once they agree, hands completed samples to the output (on the writing rank). ``WorkerCapture.from_worker`` wires one
+Per step (``execute_model``, bracketed by :func:`run_step`): ``begin`` with the scheduler output; just before the
+forward (``before_forward``, called by the runner's step preparation; else the forward's first hook) the order the
+runner laid the step out in fixes the plan, and on the device path the step is armed; each hook captures its slot
+(under CUDA graphs the replayed graph runs the device launches the hooks recorded); ``end`` checks the contract,
+meets the other tensor-parallel ranks (``ranksync.py``) and, once they agree, hands completed samples to the output
+(on the writing rank). ``WorkerCapture.from_worker`` wires one
 to a vLLM worker (``wiring.py``); the constructor takes the parts, so tests build one without an engine.
 """
 
@@ -19,7 +21,7 @@ import torch
 from .. import _native
 from ..adapters import vllm_compat
 from ..config import CaptureConfig
-from ..errors import CompatibilityError, HscaptureError
+from ..errors import HscaptureError
 from ..output import formats
 from .ranksync import RankSync, unexpected
 from .rpc_state import RpcState
@@ -76,6 +78,9 @@ class WorkerCapture:
         self.traced_taps = 0  # taps of the compiled graph during captured steps
         self.traced_active = False  # this capture is the one the compiled graph's taps call (traced.py)
         self.drain_seconds: dict[str, float] = {}
+        # Nanoseconds this worker's thread spent in each part of the step protocol, Python and core together (the
+        # core's own share is in the session's stats): the host cost of a step, measured where it is spent.
+        self.host_ns = {"steps": 0, "begin": 0, "before_forward": 0, "hooks": 0, "end": 0}
         self._active = False
         self._scheduled: dict[str, int] = {}
         self._total = 0
@@ -125,8 +130,7 @@ class WorkerCapture:
         try:  # device steps still in flight beyond the one overlap keeps are accounted here
             self._meet("a new step", lambda: self.session.begin_step(*vllm_compat.step_args(scheduler_output)))
         except HscaptureError:
-            if self.session.in_step:
-                self.session.abandon_step()  # this step will not run; the next one must not find it begun
+            self._abandon()  # this step will not run; the next one must not find it begun
             raise
         self._total = int(scheduler_output.total_num_scheduled_tokens)
         self._forward_tokens = 0
@@ -135,6 +139,22 @@ class WorkerCapture:
             self.order.reset()
         self._active = True
         self.rpc.admit(scheduler_output)
+
+    def before_forward(self) -> None:
+        """The runner prepared the step's inputs; its forward comes next: the step is planned in the runner's order and,
+        on the device path, armed on the forward's stream (a replayed CUDA graph calls no hook that could do it later).
+        Errors wait for the step's end, as a hook's do."""
+        if not self._active or self.sync.failure is not None or self.session.planned:
+            return
+        t = time.perf_counter_ns()
+        try:
+            stream = torch.cuda.current_stream().cuda_stream if self.device_path == "device" else None
+            self.session.plan(self.step_order(), stream)
+        except HscaptureError as e:
+            self.sync.failed(e)
+        except Exception as e:  # noqa: BLE001 - kept typed for the step's end
+            self.sync.failed(unexpected("planning the step before its forward", e))
+        self.host_ns["before_forward"] += time.perf_counter_ns() - t
 
     def on_positions(self, positions: torch.Tensor) -> None:
         if self._active:
@@ -153,53 +173,59 @@ class WorkerCapture:
             return hidden, residual
         return self.tp.gather_rows(hidden), (self.tp.gather_rows(residual) if residual is not None else None)
 
-    def on_capture(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
-        """A hook. An error is kept and raised at the step's end, where the TP ranks meet: raised here it
-        would stop this rank's forward while the others wait for it in the model's own collectives."""
+    def on_capture(
+        self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None, point: int | None = None
+    ) -> None:
+        """A hook (``point``: the capture point a compiled graph's tap carries). An error is kept and raised at the
+        step's end, where the TP ranks meet: raised here it would stop this rank's forward while the others wait for
+        it in the model's own collectives."""
         if not self._active:
-            return  # profiling, warm-up and dummy runs
+            # Profiling, warm-up, dummy runs and vLLM capturing its CUDA graphs: on the device path the launch is made
+            # all the same (disarmed, it writes nothing) so that a graph being captured records it. An error here is
+            # the model's shape, the same at every forward: raised now, it stops vLLM's start-up.
+            if self.device_path == "device" and hidden.device.type == "cuda":
+                if hidden.dim() > 2:
+                    hidden, residual = _rows(hidden), (_rows(residual) if residual is not None else None)
+                self._launch(slot, hidden, residual, point)
+            elif point is not None:
+                self.session.check_point(slot, point)  # a compiled graph cached for other settings: refused at start-up
+            return
+        t = time.perf_counter_ns()
         try:
             if hidden.dim() > 2:  # [1, tokens, hidden]: vLLM's Transformers modeling backend runs HF's layers
                 hidden, residual = _rows(hidden), (_rows(residual) if residual is not None else None)
             hidden, residual = self._unshard(slot, hidden, residual)  # a collective: on every rank, every slot
             if self.sync.failure is None:
-                self.capture(slot, hidden, residual)
+                self.capture(slot, hidden, residual, point)
         except HscaptureError as e:
             self.sync.failed(e)
         except Exception as e:  # noqa: BLE001 - kept typed for the step's end, like the capture's own errors
             self.sync.failed(unexpected(f"the hook of layer id {self.layer_ids[slot]} (slot {slot})", e))
+        self.host_ns["hooks"] += time.perf_counter_ns() - t
 
     def on_traced(self, slot: int, code: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
-        """A tap of the compiled graph: its capture point must be the one this slot was configured with."""
-        codes = self.traced_points or ()
-        if slot >= len(codes) or code != codes[slot]:
-            from . import traced
-
-            self.sync.failed(
-                CompatibilityError(
-                    f"the compiled graph taps {traced.describe(code)} for slot {slot}, but this capture reads "
-                    f"{traced.describe(codes[slot]) if slot < len(codes) else 'no such slot'} "
-                    f"there (layer ids {self.layer_ids}, {self.cfg.convention} convention): vLLM loaded a torch.compile "
-                    "artifact cached by a run with other capture settings; set VLLM_DISABLE_COMPILE_CACHE=1, or give the "
-                    "settings in additional_config"
-                )
-            )  # raised at the step's end (see on_capture); the driver re-raises it by type
-        elif self._active:
+        """A tap of the compiled graph (its Python runs at every forward without CUDA graphs, and when vLLM captures
+        them); its capture point is checked against the slot's by the core."""
+        if self._active:
             self.traced_taps += 1
-        self.on_capture(slot, hidden, residual)  # after a failure: only its collectives, no capture
+        self.on_capture(slot, hidden, residual, code)
 
-    def capture(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
-        """One slot's tensors into the session: through the device path, or read on the host."""
+    def _launch(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None, point: int | None) -> None:
+        self.session.capture(slot, hidden, residual, torch.cuda.current_stream(hidden.device).cuda_stream, point)
+
+    def capture(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None, point: int | None = None) -> None:
+        """One slot's tensors into the session: through the device path (armed first if ``before_forward`` did not
+        run), or read on the host."""
         if not self.session.planned:
             self.session.plan(self.step_order())
         if hidden.device.type == "cuda" and self.device_path == "device":
-            self.session.capture(slot, hidden, residual, torch.cuda.current_stream(hidden.device).cuda_stream)
+            self._launch(slot, hidden, residual, point)
             return
         if hidden.device.type != "cpu":
             # Host fallback: only the step's rows travel, synchronously.
             hidden = hidden[: self._total].to("cpu")
             residual = residual[: self._total].to("cpu") if residual is not None else None
-        self.session.capture(slot, hidden, residual)
+        self.session.capture(slot, hidden, residual, 0, point)
 
     def end(self) -> None:
         """Ends the step: checks the contract; the steps accounted now are compared across the TP ranks
@@ -217,8 +243,7 @@ class WorkerCapture:
         try:
             self._meet("ending a step", account)
         except BaseException:
-            if self.session.in_step:
-                self.session.abandon_step()  # a hook failed, or a check: the step is not committed
+            self._abandon()  # a hook failed, or a check: the step is not committed
             raise
 
     def abandon(self, exc: BaseException) -> None:
@@ -226,8 +251,7 @@ class WorkerCapture:
         The meeting of the step's end is started but not waited for: if the forward failed on this rank
         alone, the others may be waiting in the model's own collectives instead."""
         self._active = False
-        if self.session.in_step:
-            self.session.abandon_step()
+        self._abandon()
         if not isinstance(exc, Exception):
             return  # the process is going down (KeyboardInterrupt, SystemExit): nothing to record
         if self.sync.failure is None:
@@ -242,6 +266,16 @@ class WorkerCapture:
                     )
                 )
         self.sync.start_failed()
+
+    def _abandon(self) -> None:
+        """Drops the step in progress (disarmed on the device); the error being raised is the one that matters, so a
+        failure here is logged, not raised over it."""
+        if not self.session.in_step:
+            return
+        try:
+            self.session.abandon_step()
+        except HscaptureError as e:
+            log.error("hscapture: abandoning the step: %s", e)
 
     def flush(self) -> None:
         """Accounts the device steps still in flight (refused after a failure of any rank)."""
@@ -323,11 +357,18 @@ def run_step(worker: Any, call: Callable[..., Any], scheduler_output: Any, *args
     cap = getattr(worker, "_hscapture", None)
     if cap is None or getattr(worker, "_hscapture_paused", False):
         return call(scheduler_output, *args, **kwargs)
+    t0 = time.perf_counter_ns()
     cap.begin(scheduler_output)
+    t1 = time.perf_counter_ns()
     try:
         out = call(scheduler_output, *args, **kwargs)
     except BaseException as e:
         cap.abandon(e)
         raise
+    t2 = time.perf_counter_ns()
     cap.end()
+    ns = cap.host_ns
+    ns["steps"] += 1
+    ns["begin"] += t1 - t0
+    ns["end"] += time.perf_counter_ns() - t2
     return out

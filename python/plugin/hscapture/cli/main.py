@@ -125,9 +125,8 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument(
         "--compile",
         action="store_true",
-        help="let vLLM run the model through torch.compile (the capture is traced into its graph); verified on "
-        "vLLM's CPU platform; on CUDA an opt-in (HSCAPTURE_CUDA_COMPILE=1, without CUDA graphs, which "
-        "are refused)",
+        help="let vLLM run the model with its defaults: torch.compile (the capture is traced into its graph) and, "
+        "on CUDA, CUDA graphs (the capture's device launches are recorded into them)",
     )
     ex.add_argument(
         "--trust-remote-code",

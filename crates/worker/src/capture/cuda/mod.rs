@@ -1,20 +1,26 @@
-//! The CUDA device path: a fixed device arena ([`arena`]), the capture kernel on PyTorch's stream, and copies on a
-//! side stream to a ring of pinned host buffers ([`ring`]); all memory, streams and events are `cudarc`'s owned types.
+//! The CUDA device path: a fixed device arena ([`arena`]), the armed capture kernel on PyTorch's stream, and copies
+//! on a side stream to a ring of pinned host buffers ([`ring`]); all memory, streams and events are `cudarc`'s owned
+//! types.
 //!
 //! Invariants:
-//! - per slot: kernel on the caller's stream → event → copy stream waits on it → copy of that slot's rows; so copies
-//!   overlap the rest of the forward, and the compute stream never waits on the host;
-//! - the arena is reused every step: before a step's first kernel (and before each later one, in case the caller's
-//!   stream changes) the caller's stream waits on the device for the copies of the step before (and so of every
-//!   step before it, which the copy stream ran first). So the next step may begin, and be launched, while the
-//!   previous one's copies are in flight;
-//! - a host buffer is written only by the copies of the step that took it, and read only once they are done (each
-//!   pinned slice waits for its own copy) and until it is given back (`ring.rs`);
-//! - fp8 (`quantize`): the arena is quantized on the device after the step's last slot (`end_step`, on the stream of
-//!   the step's captures: per-token scales over all slots, `fp8.cu`) into the code arena; the copies move codes and
-//!   scales (half of bf16's bytes) instead of the rows, so they wait for the last slot instead of overlapping each;
-//! - on drop the copy stream is synchronised first: it waited for every kernel that used the arena, so the arena
-//!   (freed on that stream) and the pinned buffers go only once no work uses them.
+//! - a capture launch is one kernel launch whose arguments never change between steps, so that a CUDA graph records
+//!   it once (vLLM captures its graphs with the hooks' launches in them) and every replay captures the step that was
+//!   armed before it: the step lives in device memory (control block, source rows) written on the forward's stream
+//!   before the forward (`arm`) and disarmed after it (`end_step`), so that a forward outside a step (warm-up, a
+//!   dummy batch, a graph being captured) writes nothing;
+//! - the arena has halves (two with overlap): step N+1 is armed into the other half while step N's copies run; a
+//!   half is armed again only once the copies of the step that last used it ran (the forward's stream waits for
+//!   them on the device, the host never waits);
+//! - after the forward, on the forward's stream: fp8 quantization (per-token scales over every slot, `fp8.cu`) into
+//!   the half's codes, the disarm, an event; the copy stream waits for that event and copies the step's rows (or
+//!   codes and scales), checksums, counts and stamps to the step's pinned buffer, then records the buffer's
+//!   `copies_done` and the half's `half_free`;
+//! - a host buffer is written only by the copies of the step that took it, and read only once they are done and
+//!   until it is given back (`ring.rs`);
+//! - on drop the forward's last work is disarmed and the copy stream synchronised: it waited for every kernel that
+//!   used the arena, so the arena (freed on that stream) and the pinned buffers go only once no work uses them. The
+//!   control block outlives the session when a launch ran outside a step: a CUDA graph may have recorded it, and a
+//!   replay after the session is gone must still read "disarmed" there.
 
 mod arena;
 mod ring;
@@ -27,7 +33,8 @@ use crate::capture::device::{DeviceBackend, PinnedStep};
 use crate::capture::tensor::{Device, TensorDesc};
 use crate::{bail, core_err, ensure, error::CoreResult};
 use arena::{address, part, DeviceArena};
-use hscapture_kernels::launch::{guarded, CaptureKernel, Fp8Args, LaunchArgs};
+use hscapture_kernels::armed::{ArmedLayout, Control, CONTROL_WORDS, STAMP_WORDS};
+use hscapture_kernels::launch::{guarded, ArmedArgs, CaptureKernel, Fp8Args};
 use hscapture_kernels::{DType, KernelError, RowRun};
 use ring::HostRing;
 
@@ -39,31 +46,45 @@ fn drv<T>(what: &str, r: Result<T, DriverError>) -> Result<T, KernelError> {
     r.map_err(|e| KernelError(format!("{what}: {e:?}")))
 }
 
+/// The step armed on the device: its half, rows and the forward's stream.
+struct Armed {
+    half: usize,
+    rows: usize,
+    stream: Arc<CudaStream>,
+}
+
 pub struct CudaDevice {
     kernel: CaptureKernel,
     arena: DeviceArena,
     ring: HostRing,
     copy: Arc<CudaStream>,
-    /// Per slot: recorded on the captures' stream after the slot's kernel (slot 0's after the fp8 kernel too).
-    slot_done: Vec<CudaEvent>,
-    /// The caller's stream the last capture ran on, borrowed (the fp8 kernel follows the step's captures there).
+    /// Recorded on the forward's stream after a step's forward (and fp8 kernel and disarm).
+    forward_done: CudaEvent,
+    /// Per half: recorded on the copy stream after the copies of the step that last used it (`half_used`).
+    half_free: Vec<CudaEvent>,
+    half_used: Vec<bool>,
+    next_half: usize,
+    armed: Option<Armed>,
+    /// The last stream a launch or an arm borrowed (PyTorch's current stream, wrapped once per stream).
     stream: Option<Arc<CudaStream>>,
+    /// A launch ran outside an armed step: a CUDA graph may have recorded it (see the module's invariants).
+    recorded: bool,
     quantize: bool,
     src_rows: Vec<i32>,
-    rows: usize,
-    src_uploaded: bool,
 }
 
 impl CudaDevice {
-    /// Loads the kernel on `ordinal`, allocates the arena for `capacity` rows per slot and `ring`
-    /// pinned host buffers of the same size; with `quantize`, the fp8 code arena and scales, and host buffers that
-    /// hold those.
+    /// Loads the kernel on `ordinal`, allocates the arena for `capacity` rows per slot in `halves` halves (2 when steps
+    /// overlap) and `ring` pinned host buffers; with `quantize`, the fp8 codes and scales, and host buffers that hold
+    /// those.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         ordinal: i32,
         slots: usize,
         width: usize,
         dtype: DType,
         capacity: usize,
+        halves: usize,
         ring: usize,
         quantize: bool,
     ) -> CoreResult<CudaDevice> {
@@ -73,7 +94,9 @@ impl CudaDevice {
             "device arena of {capacity} rows × {slots} slots × {width}: nothing to allocate"
         );
         ensure!(ring > 0, Config, "a ring of {ring} host buffers: at least one is needed");
-        // Sizes from the caller (capacity from max_num_batched_tokens): checked before anything is allocated.
+        ensure!((1..=2).contains(&halves), Config, "a device arena of {halves} halves: expected 1 or 2");
+        // Sizes from the caller (capacity from max_num_batched_tokens): checked before anything is allocated. The
+        // kernel's row indices are u32/i32.
         let sized = |what: &str, parts: &[usize]| {
             parts
                 .iter()
@@ -82,19 +105,26 @@ impl CudaDevice {
                 .ok_or_else(|| core_err!(Config, "device arena of {capacity} rows × {slots} slots × {width}: its {what} overflow"))
         };
         let row_bytes = sized("row bytes", &[width, dtype.size()])?;
-        sized("bytes", &[slots, capacity, row_bytes])?;
-        let n_rows = sized("rows", &[slots, capacity])?;
+        sized("bytes", &[halves, slots, capacity, row_bytes])?;
+        let n_rows = sized("rows", &[halves, slots, capacity])?;
+        ensure!(
+            n_rows <= i32::MAX as usize && width <= i32::MAX as usize,
+            Config,
+            "device arena of {halves} × {capacity} rows × {slots} slots × {width}: more rows than the kernel indexes"
+        );
         sized("checksums", &[n_rows, 8])?;
-        sized("fp8 codes", &[slots, capacity, width])?;
+        sized("fp8 codes", &[n_rows, width])?;
+        let layout = ArmedLayout { slots, capacity, width, halves };
         let kernel = CaptureKernel::load(ordinal).map_err(kerr)?;
         let ctx = Arc::clone(kernel.context());
-        let (copy, arena, slot_done) = guarded("allocating the capture arena", || {
+        let (copy, arena, forward_done, half_free) = guarded("allocating the capture arena", || {
             let copy = drv("cuStreamCreate", ctx.new_stream())?;
-            let arena = drv("cuMemAlloc", DeviceArena::new(&copy, slots, capacity, width, dtype, quantize))?;
-            let slot_done = (0..slots).map(|_| drv("cuEventCreate", ctx.new_event(None))).collect::<Result<Vec<_>, _>>()?;
+            let arena = drv("cuMemAlloc", DeviceArena::new(&copy, layout, dtype, quantize))?;
+            let forward_done = drv("cuEventCreate", ctx.new_event(None))?;
+            let half_free = (0..halves).map(|_| drv("cuEventCreate", ctx.new_event(None))).collect::<Result<Vec<_>, _>>()?;
             // Other streams use the arena only once its allocation (stream-ordered) and zeroing are done.
             drv("cuStreamSynchronize", copy.synchronize())?;
-            Ok((copy, arena, slot_done))
+            Ok((copy, arena, forward_done, half_free))
         })
         .map_err(kerr)?;
         let host_row_bytes = if quantize { width } else { row_bytes };
@@ -104,12 +134,15 @@ impl CudaDevice {
             arena,
             ring,
             copy,
-            slot_done,
+            forward_done,
+            half_free,
+            half_used: vec![false; halves],
+            next_half: 0,
+            armed: None,
             stream: None,
+            recorded: false,
             quantize,
             src_rows: Vec::with_capacity(capacity),
-            rows: 0,
-            src_uploaded: false,
         })
     }
 
@@ -117,55 +150,116 @@ impl CudaDevice {
         &self.kernel.arch
     }
 
-    /// fp8: quantizes the step's arena on the stream of its captures (after the last slot), then copies the codes
-    /// and scales to the step's host buffer on the copy stream.
-    fn quantize_step(&mut self) -> CoreResult<()> {
-        let (n, w, cap) = (self.rows, self.arena.width, self.arena.capacity);
-        let (Some(s), Some((codes, scales))) = (self.stream.as_ref(), self.arena.fp8.as_ref()) else {
-            bail!(Compatibility, "a quantizing device step ended without a capture or a code arena");
+    /// The caller's stream, borrowed once per stream rather than once per call (no allocation per launch).
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this device's primary context (the caller's current stream), kept alive by
+    /// its owner while work enqueued on it runs.
+    unsafe fn borrow(&mut self, stream: u64) -> Arc<CudaStream> {
+        match &self.stream {
+            Some(s) if s.cu_stream() as u64 == stream => Arc::clone(s),
+            _ => {
+                // SAFETY: the caller's contract, above.
+                let s = unsafe { self.kernel.borrow_stream(stream) };
+                self.stream = Some(Arc::clone(&s));
+                s
+            }
+        }
+    }
+
+    /// Writes the control block on `s` (stream-ordered after the forward before it, before the one after).
+    fn write_control(&mut self, ctl: Control, s: &Arc<CudaStream>) -> CoreResult<()> {
+        let words = ctl.words();
+        let Some(block) = self.arena.ctl.as_mut() else {
+            bail!(Compatibility, "the device's control block is gone");
         };
+        let mut dst = block.try_slice_mut(0..CONTROL_WORDS).ok_or_else(|| core_err!(Compatibility, "the control block"))?;
+        // Pageable host→device async copy: staged by the driver before the call returns (no device synchronisation).
+        guarded("cuMemcpyHtoDAsync", || drv("cuMemcpyHtoDAsync", s.memcpy_htod(&words[..], &mut dst))).map_err(kerr)
+    }
+
+    /// fp8: quantizes the armed step's rows on the forward's stream into its half's codes and scales.
+    fn quantize_step(&self, a: &Armed) -> CoreResult<()> {
+        let ArmedLayout { slots, capacity: cap, width: w, .. } = self.arena.layout;
+        let Some((codes, scales)) = self.arena.fp8.as_ref() else {
+            bail!(Compatibility, "a quantizing device step ended without a code arena");
+        };
+        let s = &a.stream;
         let args = Fp8Args {
-            arena: address(&self.arena.data, s),
+            arena: address(&self.arena.data, s) + (self.arena.data_base(a.half) * self.arena.row_bytes()) as u64,
             dtype: self.arena.dtype,
             slot_stride: (cap * w) as i64,
-            slots: self.arena.slots as i32,
-            n_rows: n as i32,
+            slots: slots as i32,
+            n_rows: a.rows as i32,
             width: w as i32,
-            codes: address(codes, s),
-            scales: address(scales, s),
+            codes: address(codes, s) + (a.half * slots * cap * w) as u64,
+            scales: address(scales, s) + (a.half * cap * 4) as u64,
         };
-        // SAFETY: the arena, codes and scales are this device's allocations of `slots × capacity × width` elements
-        // and `capacity` scales; the launch follows the step's captures on their stream.
-        unsafe { self.kernel.launch_fp8(&args, s) }.map_err(kerr)?;
+        // SAFETY: the arena's rows, the half's codes and scales are this device's allocations of `slots × capacity ×
+        // width` elements and `capacity` scales; the launch follows the step's captures on their stream.
+        unsafe { self.kernel.launch_fp8(&args, s) }.map_err(kerr)
+    }
+
+    /// Enqueues the copies of the armed step (after `forward_done`) into the current host buffer.
+    fn copy_step(&mut self, a: &Armed) -> CoreResult<()> {
+        let ArmedLayout { slots, capacity: cap, width: w, .. } = self.arena.layout;
+        let (n, half, rb) = (a.rows, a.half, self.arena.row_bytes());
+        let data_base = self.arena.data_base(half);
+        let (arena, copy, quantize) = (&self.arena, &self.copy, self.quantize);
         let host = self.ring.current_mut()?;
-        let (ev, copy) = (&self.slot_done[0], &self.copy);
-        // Slot 0's event is free again: its copies were enqueued already.
-        guarded("enqueueing the fp8 copies to host", || {
-            drv("cuEventRecord", ev.record(s))?;
-            drv("cuStreamWaitEvent", copy.wait(ev))?;
-            for (slot, dst) in host.data.iter_mut().enumerate() {
-                let src = part(codes, slot * cap * w..slot * cap * w + n * w, "fp8 codes").map_err(|e| KernelError(e.message))?;
-                drv("cuMemcpyDtoHAsync", copy.memcpy_dtoh(&src, dst))?;
+        let view = |e: crate::CoreError| KernelError(e.message);
+        guarded("enqueueing the copies to host", || {
+            drv("cuStreamWaitEvent", copy.wait(&self.forward_done))?;
+            for slot in 0..slots {
+                let stat = (half * slots + slot) * cap;
+                if let Some((codes, _)) = arena.fp8.as_ref().filter(|_| quantize) {
+                    let at = stat * w;
+                    drv(
+                        "cuMemcpyDtoHAsync",
+                        copy.memcpy_dtoh(&part(codes, at..at + n * w, "fp8 codes").map_err(view)?, &mut host.data[slot]),
+                    )?;
+                } else {
+                    let at = (data_base + slot * cap) * rb;
+                    drv(
+                        "cuMemcpyDtoHAsync",
+                        copy.memcpy_dtoh(&part(&arena.data, at..at + n * rb, "rows").map_err(view)?, &mut host.data[slot]),
+                    )?;
+                }
+                drv(
+                    "cuMemcpyDtoHAsync",
+                    copy.memcpy_dtoh(&part(&arena.sums, stat..stat + n, "checksums").map_err(view)?, &mut host.sums[slot]),
+                )?;
+                drv(
+                    "cuMemcpyDtoHAsync",
+                    copy.memcpy_dtoh(&part(&arena.bad, stat..stat + n, "non-finite counts").map_err(view)?, &mut host.bad[slot]),
+                )?;
             }
-            if let Some(dst) = host.scales.as_mut() {
-                let src = part(scales, 0..n, "fp8 scales").map_err(|e| KernelError(e.message))?;
-                drv("cuMemcpyDtoHAsync", copy.memcpy_dtoh(&src, dst))?;
+            let st = half * slots * STAMP_WORDS;
+            drv(
+                "cuMemcpyDtoHAsync",
+                copy.memcpy_dtoh(&part(&arena.stamps, st..st + slots * STAMP_WORDS, "stamps").map_err(view)?, &mut host.stamps),
+            )?;
+            if let (Some((_, scales)), Some(dst)) = (arena.fp8.as_ref(), host.scales.as_mut()) {
+                drv("cuMemcpyDtoHAsync", copy.memcpy_dtoh(&part(scales, half * cap..half * cap + n, "fp8 scales").map_err(view)?, dst))?;
             }
-            Ok(())
+            drv("cuEventRecord", self.half_free[half].record(copy))
         })
-        .map_err(kerr)
+        .map_err(kerr)?;
+        self.half_used[half] = true;
+        Ok(())
     }
 }
 
 impl DeviceBackend for CudaDevice {
     fn capacity(&self) -> usize {
-        self.arena.capacity
+        self.arena.layout.capacity
     }
 
     fn allocated(&self) -> (usize, usize) {
-        let (n, cap) = (self.arena.slots * self.arena.capacity, self.arena.capacity);
-        let (host_row, scales) = if self.quantize { (self.arena.width, cap * 4) } else { (self.arena.row_bytes(), 0) };
-        (self.arena.bytes(), self.ring.len() * (n * (host_row + 12) + scales))
+        let ArmedLayout { slots, capacity: cap, width, .. } = self.arena.layout;
+        let n = slots * cap;
+        let (host_row, scales) = if self.quantize { (width, cap * 4) } else { (self.arena.row_bytes(), 0) };
+        (self.arena.bytes(), self.ring.len() * (n * (host_row + 12) + scales + slots * STAMP_WORDS * 4))
     }
 
     fn quantizes(&self) -> bool {
@@ -180,9 +274,11 @@ impl DeviceBackend for CudaDevice {
         self.ring.len()
     }
 
-    fn reset(&mut self, rows: usize, runs: &[RowRun]) -> CoreResult<()> {
-        ensure!(rows <= self.arena.capacity, ShapeContract, "{rows} rows exceed the device arena's {} rows", self.arena.capacity);
-        self.ring.take()?;
+    fn arm(&mut self, arm: u32, rows: usize, runs: &[RowRun], stream: u64) -> CoreResult<()> {
+        let cap = self.arena.layout.capacity;
+        ensure!(self.armed.is_none(), Compatibility, "a device step was armed twice");
+        ensure!(arm != 0, Compatibility, "arm number 0 means disarmed");
+        ensure!(rows <= cap, ShapeContract, "{rows} rows exceed the device arena's {cap} rows");
         self.src_rows.clear();
         self.src_rows.resize(rows, 0);
         for r in runs {
@@ -199,13 +295,46 @@ impl DeviceBackend for CudaDevice {
                 self.src_rows[r.dst_row + k] = (r.src_row + k) as i32;
             }
         }
-        self.rows = rows;
-        self.src_uploaded = false;
+        self.ring.take()?;
+        self.kernel.bind().map_err(kerr)?;
+        // SAFETY: `stream` is the caller's current stream on this device (the trait's contract).
+        let s = unsafe { self.borrow(stream) };
+        let half = self.next_half;
+        if self.half_used[half] {
+            // The half still holds a step until its copies ran: the forward's stream waits for them on the device.
+            guarded("cuStreamWaitEvent", || drv("cuStreamWaitEvent", s.wait(&self.half_free[half]))).map_err(kerr)?;
+        }
+        if rows > 0 {
+            let mut dst =
+                self.arena.src.try_slice_mut(0..rows).ok_or_else(|| core_err!(Compatibility, "{rows} source rows exceed the arena"))?;
+            // Pageable host→device async copy: staged by the driver before the call returns.
+            guarded("cuMemcpyHtoDAsync", || drv("cuMemcpyHtoDAsync", s.memcpy_htod(&self.src_rows[..], &mut dst))).map_err(kerr)?;
+        }
+        let data_base = self.arena.data_base(half) as u32;
+        self.write_control(Control { arm, rows: rows as u32, data_base, half: half as u32 }, &s)?;
+        self.next_half = (half + 1) % self.half_free.len();
+        self.armed = Some(Armed { half, rows, stream: s });
         Ok(())
     }
 
-    unsafe fn capture(&mut self, slot: usize, hidden: &TensorDesc, residual: Option<&TensorDesc>, stream: u64) -> CoreResult<()> {
-        ensure!(slot < self.arena.slots, ShapeContract, "slot {slot} does not exist ({} slots)", self.arena.slots);
+    fn disarm(&mut self) -> CoreResult<()> {
+        let Some(a) = self.armed.take() else {
+            return Ok(());
+        };
+        self.kernel.bind().map_err(kerr)?;
+        self.write_control(Control::DISARMED, &a.stream)
+    }
+
+    unsafe fn launch(
+        &mut self,
+        slot: usize,
+        point: i32,
+        hidden: &TensorDesc,
+        residual: Option<&TensorDesc>,
+        stream: u64,
+    ) -> CoreResult<()> {
+        let layout = self.arena.layout;
+        ensure!(slot < layout.slots, ShapeContract, "slot {slot} does not exist ({} slots)", layout.slots);
         let Device::Cuda(_) = hidden.device else {
             bail!(Compatibility, "the device path got a tensor on {}", hidden.device);
         };
@@ -214,76 +343,50 @@ impl DeviceBackend for CudaDevice {
             Some(r) => r.row_layout("residual")? as i64,
             None => 0,
         };
+        let grid = i32::try_from(hidden.rows()).map_err(|_| core_err!(ShapeContract, "{} rows exceed a kernel launch", hidden.rows()))?;
         self.kernel.bind().map_err(kerr)?;
-        // The caller's stream, borrowed once per stream rather than once per slot (no allocation per capture).
-        let s = match &self.stream {
-            Some(s) if s.cu_stream() as u64 == stream => Arc::clone(s),
-            _ => {
-                // SAFETY: `stream` is the caller's current stream on this device (the trait's contract), alive while
-                // its work runs; the handle enqueues this step's work and is replaced when the caller's stream changes.
-                let s = unsafe { self.kernel.borrow_stream(stream) };
-                self.stream = Some(Arc::clone(&s));
-                s
-            }
-        };
-        let (n, cap, rb) = (self.rows, self.arena.capacity, self.arena.row_bytes());
-        if let Some(prev) = self.ring.last_copies() {
-            // The arena (and the row index) still hold the previous step until its copies ran: the
-            // caller's stream waits for them on the device, the host does not wait.
-            guarded("cuStreamWaitEvent", || drv("cuStreamWaitEvent", s.wait(prev))).map_err(kerr)?;
-        }
-        if !self.src_uploaded && n > 0 {
-            // Pageable host→device async copy: staged by the driver before the call returns, so the
-            // vector may change afterwards; no device synchronisation.
-            let mut dst = self.arena.src.try_slice_mut(0..n).ok_or_else(|| core_err!(Compatibility, "{n} source rows exceed the arena"))?;
-            guarded("cuMemcpyHtoDAsync", || drv("cuMemcpyHtoDAsync", s.memcpy_htod(&self.src_rows[..], &mut dst))).map_err(kerr)?;
-            self.src_uploaded = true;
-        }
-        let base = slot * cap;
-        let arena = &self.arena;
-        let args = LaunchArgs {
+        // SAFETY: `stream` is the caller's current stream on this device (the trait's contract).
+        let s = unsafe { self.borrow(stream) };
+        self.recorded |= self.armed.is_none();
+        let a = &self.arena;
+        let (sums, bad) = (address(&a.sums, &s), address(&a.bad, &s));
+        let args = ArmedArgs {
             hidden: hidden.ptr as u64,
             residual: residual.map_or(0, |r| r.ptr as u64),
             h_stride,
             r_stride,
             in_dtype: hidden.dtype,
-            src_rows: address(&arena.src, &s),
-            n_rows: n as i32,
-            width: arena.width as i32,
-            out: address(&arena.data, &s) + (base * rb) as u64,
-            out_dtype: arena.dtype,
-            row_sums: address(&arena.sums, &s) + (base * 8) as u64,
-            nonfinite: address(&arena.bad, &s) + (base * 4) as u64,
+            ctl: address(a.ctl()?, &s),
+            src_rows: address(&a.src, &s),
+            grid,
+            slot: slot as i32,
+            slots: layout.slots as i32,
+            capacity: layout.capacity as i32,
+            point,
+            width: layout.width as i32,
+            out: address(&a.data, &s),
+            out_dtype: a.dtype,
+            row_sums: sums,
+            nonfinite: bad,
+            stamps: address(&a.stamps, &s),
         };
-        // SAFETY: the arena's buffers are this device's allocations sized for `capacity` rows per slot (n <= capacity,
-        // `reset`); the tensors' memory is the caller's contract (alive until the stream has run the kernel).
-        unsafe { self.kernel.launch(&args, &s) }.map_err(kerr)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let host = self.ring.current_mut()?;
-        let (ev, copy, quantize) = (&self.slot_done[slot], &self.copy, self.quantize);
-        guarded("enqueueing the copy to host", || {
-            drv("cuEventRecord", ev.record(&s))?;
-            drv("cuStreamWaitEvent", copy.wait(ev))?;
-            let rows = |what| part(&arena.data, base * rb..(base + n) * rb, what).map_err(|e| KernelError(e.message));
-            if !quantize {
-                drv("cuMemcpyDtoHAsync", copy.memcpy_dtoh(&rows("rows")?, &mut host.data[slot]))?;
-            }
-            let sums = part(&arena.sums, base..base + n, "checksums").map_err(|e| KernelError(e.message))?;
-            drv("cuMemcpyDtoHAsync", copy.memcpy_dtoh(&sums, &mut host.sums[slot]))?;
-            let bad = part(&arena.bad, base..base + n, "non-finite counts").map_err(|e| KernelError(e.message))?;
-            drv("cuMemcpyDtoHAsync", copy.memcpy_dtoh(&bad, &mut host.bad[slot]))?;
-            Ok(())
-        })
-        .map_err(kerr)
+        // SAFETY: the arena's buffers are this device's allocations for every half and stay allocated while a graph
+        // may replay the launch (the control block beyond the session: see the module's invariants); the tensors'
+        // memory is the caller's contract.
+        unsafe { self.kernel.launch_armed(&args, &s) }.map_err(kerr)
     }
 
     fn end_step(&mut self) -> CoreResult<()> {
+        let Some(a) = self.armed.take() else {
+            bail!(Compatibility, "a device step ended without being armed");
+        };
         self.kernel.bind().map_err(kerr)?;
-        if self.quantize && self.rows > 0 {
-            self.quantize_step()?;
+        if self.quantize && a.rows > 0 {
+            self.quantize_step(&a)?;
         }
+        self.write_control(Control::DISARMED, &a.stream)?;
+        guarded("cuEventRecord", || drv("cuEventRecord", self.forward_done.record(&a.stream))).map_err(kerr)?;
+        self.copy_step(&a)?;
         self.ring.end(&self.copy)
     }
 
@@ -299,9 +402,22 @@ impl DeviceBackend for CudaDevice {
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {
+        let _ = self.kernel.bind();
+        let _ = self.disarm();
+        if let (true, Some(mut ctl)) = (self.recorded, self.arena.ctl.take()) {
+            // A CUDA graph may replay a recorded launch after this session is gone: its control block stays allocated,
+            // written "disarmed" (and waited for), so the replayed kernel returns at its first read. 32 bytes of
+            // device memory per such session, for the process's life.
+            let words = Control::DISARMED.words();
+            let _ = guarded("disarming for good", || {
+                let mut dst = ctl.try_slice_mut(0..CONTROL_WORDS).ok_or_else(|| KernelError("the control block".into()))?;
+                drv("cuMemcpyHtoDAsync", self.copy.memcpy_htod(&words[..], &mut dst))?;
+                drv("cuStreamSynchronize", self.copy.synchronize())
+            });
+            std::mem::forget(ctl);
+        }
         // The copy stream waited for every kernel that used the arena: once it is done, nothing uses the memory
         // the fields free after this.
-        let _ = self.kernel.bind();
         let _ = guarded("synchronising the copy stream", || drv("cuStreamSynchronize", self.copy.synchronize()));
     }
 }

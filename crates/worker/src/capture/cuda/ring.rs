@@ -13,6 +13,8 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DeviceRepr, DriverError
 use crate::capture::device::PinnedStep;
 use crate::capture::rows::{SlotRows, StepRows};
 use crate::{bail, core_err, ensure, error::CoreResult};
+use hscapture_kernels::armed::STAMP_WORDS;
+use hscapture_kernels::Stamp;
 
 fn cuda_err(what: &str, e: DriverError) -> crate::CoreError {
     core_err!(Compatibility, "CUDA: {what}: {e:?}")
@@ -26,11 +28,13 @@ fn pinned<T: DeviceRepr>(ctx: &Arc<CudaContext>, n: usize) -> Result<PinnedHostS
 }
 
 /// One pinned host buffer: per slot the step's rows (fp8: codes, a byte per value), their checksums and
-/// non-finite counts; with fp8 a scale per row. Each copy records the slice's own event, which reading it waits for.
+/// non-finite counts; each slot's stamp; with fp8 a scale per row. Read only after the buffer's `copies_done` event
+/// (`HostRing`), which follows every copy into it: the context tracks no events of its own (`launch.rs`).
 pub struct HostBuf {
     pub data: Vec<PinnedHostSlice<u8>>,
     pub sums: Vec<PinnedHostSlice<u64>>,
     pub bad: Vec<PinnedHostSlice<u32>>,
+    pub stamps: PinnedHostSlice<u32>,
     pub scales: Option<PinnedHostSlice<f32>>,
     /// Bytes of one row in `data` (fp8: the width).
     row_bytes: usize,
@@ -38,7 +42,8 @@ pub struct HostBuf {
 
 impl HostBuf {
     fn new(ctx: &Arc<CudaContext>, slots: usize, capacity: usize, row_bytes: usize, quantize: bool) -> Result<HostBuf, DriverError> {
-        let mut b = HostBuf { data: Vec::new(), sums: Vec::new(), bad: Vec::new(), scales: None, row_bytes };
+        let stamps = pinned(ctx, slots * STAMP_WORDS)?;
+        let mut b = HostBuf { data: Vec::new(), sums: Vec::new(), bad: Vec::new(), stamps, scales: None, row_bytes };
         for _ in 0..slots {
             b.data.push(pinned(ctx, capacity * row_bytes)?);
             b.sums.push(pinned(ctx, capacity)?);
@@ -75,6 +80,10 @@ impl PinnedStep for CudaPinnedStep {
     fn rows(&self) -> CoreResult<Box<dyn StepRows + Sync + '_>> {
         Ok(Box::new(self.buf.view().map_err(|e| cuda_err("reading a step's host buffer", e))?))
     }
+    fn stamps(&self) -> CoreResult<Vec<Stamp>> {
+        let words = self.buf.stamps.as_slice().map_err(|e| cuda_err("reading a step's stamps", e))?;
+        Ok(words.chunks_exact(STAMP_WORDS).map(Stamp::from_words).collect())
+    }
 }
 
 pub struct HostRing {
@@ -86,8 +95,6 @@ pub struct HostRing {
     cur: Option<usize>,
     /// Buffers of steps ended and not yet collected, oldest first.
     flight: VecDeque<usize>,
-    /// The buffer of the last step ended: the next step's kernels wait for its copies.
-    last: Option<usize>,
 }
 
 impl HostRing {
@@ -105,7 +112,6 @@ impl HostRing {
             free: (0..ring).rev().collect(),
             cur: None,
             flight: VecDeque::with_capacity(ring),
-            last: None,
         };
         for _ in 0..ring {
             r.bufs.push(Arc::new(HostBuf::new(ctx, slots, capacity, row_bytes, quantize).map_err(|e| cuda_err("cuMemHostAlloc", e))?));
@@ -143,11 +149,6 @@ impl HostRing {
             .ok_or_else(|| core_err!(Compatibility, "host buffer {i} is still being read; it was not given back"))
     }
 
-    /// The copies of the last step ended (the next step's kernels wait for them before reusing the arena).
-    pub fn last_copies(&self) -> Option<&CudaEvent> {
-        self.last.map(|i| &self.copies_done[i])
-    }
-
     /// Ends the current step: its copies (enqueued on `copy`) are marked, the buffer is in flight.
     pub fn end(&mut self, copy: &CudaStream) -> CoreResult<()> {
         let Some(i) = self.cur else {
@@ -156,7 +157,6 @@ impl HostRing {
         self.copies_done[i].record(copy).map_err(|e| cuda_err("cuEventRecord", e))?;
         self.cur = None;
         self.flight.push_back(i);
-        self.last = Some(i);
         Ok(())
     }
 

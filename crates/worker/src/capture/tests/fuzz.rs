@@ -145,7 +145,7 @@ proptest! {
                 }
                 let d = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![total, W], strides: vec![W as i64, 1], dtype: DType::F32, device: Device::Cpu };
                 // SAFETY: `h` is live for the call.
-                unsafe { s.capture(0, &d, None, 0).unwrap() };
+                unsafe { s.capture(0, None, &d, None, 0).unwrap() };
             }
             let out = s.end_step().unwrap().remove(0);
             collected.extend(out.completed);

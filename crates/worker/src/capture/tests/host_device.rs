@@ -1,95 +1,123 @@
-//! A device stand-in for the session's tests (`DeviceBackend` in host memory).
+//! A device stand-in for the session's tests (`DeviceBackend` in host memory): the armed protocol of the CUDA path
+//! with the kernels' CPU twins.
 
 use super::tests::H;
-use crate::capture::arena::Arena;
+use crate::capture::device::{DeviceBackend, PinnedStep};
+use crate::capture::rows::StepRows;
 use crate::capture::tensor::{Device, TensorDesc};
 use crate::error::CoreResult;
-use hscapture_kernels::{capture_rows, DType};
+use hscapture_kernels::armed::{ArmedLayout, ArmedTarget, Control, STAMP_WORDS};
+use hscapture_kernels::{capture_armed, DType, RowRun, Stamp};
 
-/// A device stand-in in host memory: "device" tensors are host memory tagged cuda, the kernel is the
-/// CPU twin, and the copy to the step's host buffer happens at `end_step` (so data is only visible
-/// after `wait`, as with a real device). Host buffers round a ring like the real one's.
+/// A device stand-in in host memory: "device" tensors are host memory tagged cuda, the launch is the armed kernel's
+/// CPU twin (reading the control block and the source rows the way a replayed CUDA graph would), and the copy to the
+/// step's host buffer happens at `end_step` (so data is only visible after `wait`, as with a real device). The
+/// arena has halves and host buffers round a ring like the real ones.
 pub(crate) struct HostDevice {
-    slots: usize,
-    cap: usize,
-    runs: Vec<hscapture_kernels::RowRun>,
-    rows: usize,
-    dev: Arena,
+    layout: ArmedLayout,
+    ctl: Control,
+    src: Vec<i32>,
+    data: Vec<u8>,
+    sums: Vec<u64>,
+    bad: Vec<u32>,
+    stamps: Vec<u32>,
+    next_half: usize,
+    armed: Option<(usize, usize)>,
     /// The ring: None while a buffer is handed out.
-    hosts: Vec<Option<Arena>>,
+    hosts: Vec<Option<HostBuf>>,
     cur: Option<usize>,
-    /// Buffers of ended steps not yet collected, oldest first (their copies ran at `end_step`: the
-    /// stand-in models a device whose next step waits for them, as the CUDA path's stream wait does).
+    /// Buffers of ended steps not yet collected, oldest first.
     flight: std::collections::VecDeque<usize>,
     pub(crate) waits: usize,
-    /// fp8: the twin quantizes each step at `end_step`; per ring buffer, its codes (`[slot][cap][H]`) and scales.
+    /// Launches so far, armed or not.
+    pub(crate) launches: usize,
+    /// fp8: the twin quantizes each step at `end_step` (codes `[slot][cap][H]` and scales in its host buffer).
     quantize: bool,
-    codes: Vec<Option<(Vec<u8>, Vec<f32>)>>,
 }
 
 impl HostDevice {
     pub(crate) fn new(slots: usize, cap: usize, ring: usize) -> HostDevice {
+        let layout = ArmedLayout { slots, capacity: cap, width: H, halves: 2 };
+        let rows = layout.stat_row(2, 0, 0);
         HostDevice {
-            slots,
-            cap,
-            runs: vec![],
-            rows: 0,
-            dev: Arena::new(slots, H, DType::F32),
-            hosts: (0..ring).map(|_| Some(Arena::new(slots, H, DType::F32))).collect(),
+            layout,
+            ctl: Control::DISARMED,
+            src: vec![0; cap],
+            data: vec![0; rows * H * 4],
+            sums: vec![0; rows],
+            bad: vec![0; rows],
+            stamps: vec![0; layout.stamp_at(2, 0)],
+            next_half: 0,
+            armed: None,
+            hosts: (0..ring).map(|i| Some(HostBuf::empty(i))).collect(),
             cur: None,
             flight: std::collections::VecDeque::new(),
             waits: 0,
+            launches: 0,
             quantize: false,
-            codes: (0..ring).map(|_| None).collect(),
         }
     }
 
-    /// As `new`, quantizing each step to fp8 as the CUDA path does (the twin over the step's arena).
+    /// As `new`, quantizing each step to fp8 as the CUDA path does (the twin over the step's rows).
     pub(crate) fn quantizing(slots: usize, cap: usize, ring: usize) -> HostDevice {
         HostDevice { quantize: true, ..HostDevice::new(slots, cap, ring) }
     }
 }
 
+#[derive(Default)]
 struct HostBuf {
     slot: usize,
-    arena: Arena,
     cap: usize,
+    /// `[slot][row]` rows (f32 here), checksums, counts; stamps; fp8 codes and scales.
+    data: Vec<Vec<u8>>,
+    sums: Vec<Vec<u64>>,
+    bad: Vec<Vec<u32>>,
+    stamps: Vec<u32>,
     codes: Option<(Vec<u8>, Vec<f32>)>,
 }
 
-impl crate::capture::rows::StepRows for HostBuf {
+impl HostBuf {
+    fn empty(slot: usize) -> HostBuf {
+        HostBuf { slot, ..Default::default() }
+    }
+}
+
+impl StepRows for HostBuf {
     fn row(&self, slot: usize, row: usize) -> &[u8] {
         match &self.codes {
             Some((c, _)) => &c[(slot * self.cap + row) * H..(slot * self.cap + row + 1) * H],
-            None => self.arena.row(slot, row),
+            None => &self.data[slot][row * H * 4..(row + 1) * H * 4],
         }
     }
     fn scale(&self, row: usize) -> Option<f32> {
         self.codes.as_ref().map(|(_, s)| s[row])
     }
     fn nonfinite(&self, slot: usize, row: usize) -> u32 {
-        self.arena.nonfinite(slot, row)
+        self.bad[slot][row]
     }
     fn row_sum(&self, slot: usize, row: usize) -> u64 {
-        self.arena.row_sum(slot, row)
+        self.sums[slot][row]
     }
 }
 
-impl crate::capture::device::PinnedStep for HostBuf {
+impl PinnedStep for HostBuf {
     fn ring_slot(&self) -> usize {
         self.slot
     }
-    fn rows(&self) -> CoreResult<Box<dyn crate::capture::rows::StepRows + Sync + '_>> {
+    fn rows(&self) -> CoreResult<Box<dyn StepRows + Sync + '_>> {
         Ok(Box::new(self))
+    }
+    fn stamps(&self) -> CoreResult<Vec<Stamp>> {
+        Ok(self.stamps.chunks_exact(STAMP_WORDS).map(Stamp::from_words).collect())
     }
 }
 
-impl crate::capture::device::DeviceBackend for HostDevice {
+impl DeviceBackend for HostDevice {
     fn capacity(&self) -> usize {
-        self.cap
+        self.layout.capacity
     }
     fn allocated(&self) -> (usize, usize) {
-        (self.dev.allocated_bytes(), self.hosts.iter().flatten().map(Arena::allocated_bytes).sum())
+        (self.data.len() + self.sums.len() * 12, self.hosts.len() * self.layout.slots * self.layout.capacity * (H * 4 + 12))
     }
     fn free_host(&self) -> usize {
         self.hosts.iter().enumerate().filter(|(i, h)| h.is_some() && !self.flight.contains(i)).count()
@@ -100,7 +128,8 @@ impl crate::capture::device::DeviceBackend for HostDevice {
     fn quantizes(&self) -> bool {
         self.quantize
     }
-    fn reset(&mut self, rows: usize, runs: &[hscapture_kernels::RowRun]) -> CoreResult<()> {
+    fn arm(&mut self, arm: u32, rows: usize, runs: &[RowRun], _stream: u64) -> CoreResult<()> {
+        assert!(self.armed.is_none(), "armed twice");
         if self.cur.is_none() {
             let free = (0..self.hosts.len()).find(|i| self.hosts[*i].is_some() && !self.flight.contains(i));
             let Some(i) = free else {
@@ -108,12 +137,32 @@ impl crate::capture::device::DeviceBackend for HostDevice {
             };
             self.cur = Some(i);
         }
-        self.rows = rows;
-        self.runs = runs.to_vec();
-        self.dev.reset(rows);
+        for r in runs {
+            for k in 0..r.len {
+                self.src[r.dst_row + k] = (r.src_row + k) as i32;
+            }
+        }
+        let half = self.next_half;
+        self.next_half = 1 - half;
+        let data_base = (half * self.layout.slots * self.layout.capacity) as u32;
+        self.ctl = Control { arm, rows: rows as u32, data_base, half: half as u32 };
+        self.armed = Some((half, rows));
         Ok(())
     }
-    unsafe fn capture(&mut self, slot: usize, hidden: &TensorDesc, residual: Option<&TensorDesc>, _stream: u64) -> CoreResult<()> {
+    fn disarm(&mut self) -> CoreResult<()> {
+        self.ctl = Control::DISARMED;
+        self.armed = None;
+        Ok(())
+    }
+    unsafe fn launch(
+        &mut self,
+        slot: usize,
+        point: i32,
+        hidden: &TensorDesc,
+        residual: Option<&TensorDesc>,
+        _stream: u64,
+    ) -> CoreResult<()> {
+        self.launches += 1;
         let as_cpu = |d: &TensorDesc| TensorDesc { device: Device::Cpu, ..d.clone() };
         let rows = hidden.rows();
         // SAFETY: the test's "device" tensors are live host memory.
@@ -123,58 +172,62 @@ impl crate::capture::device::DeviceBackend for HostDevice {
             Some(r) => Some(unsafe { as_cpu(r).cpu_rows("r", rows)? }),
             None => None,
         };
-        let mut t = self.dev.target(slot, "x")?;
-        capture_rows(&h, r.as_ref(), &self.runs, &mut t).map_err(|e| crate::core_err!(ShapeContract, "{e}"))
+        let mut t = ArmedTarget {
+            data: &mut self.data,
+            dtype: DType::F32,
+            row_sums: &mut self.sums,
+            nonfinite: &mut self.bad,
+            stamps: &mut self.stamps,
+        };
+        capture_armed(&self.ctl, &self.src, &h, r.as_ref(), slot, point, &self.layout, &mut t)
+            .map_err(|e| crate::core_err!(ShapeContract, "{e}"))
     }
     fn end_step(&mut self) -> CoreResult<()> {
-        let i = self.cur.expect("end_step without reset");
-        let mut host = self.hosts[i].take().expect("the step's host buffer is free");
-        host.reset(self.rows);
-        for s in 0..self.slots {
-            let src = self.dev.target(s, "x")?;
-            let (d, sums, bad) = (src.data.to_vec(), src.row_sums.to_vec(), src.nonfinite.to_vec());
-            let dst = host.target(s, "x")?;
-            dst.data.copy_from_slice(&d);
-            dst.row_sums.copy_from_slice(&sums);
-            dst.nonfinite.copy_from_slice(&bad);
+        let (half, n) = self.armed.take().expect("end_step without arm");
+        self.ctl = Control::DISARMED;
+        let i = self.cur.take().expect("a host buffer");
+        let (slots, cap) = (self.layout.slots, self.layout.capacity);
+        let mut host = HostBuf { slot: i, cap, ..Default::default() };
+        for s in 0..slots {
+            let (d0, st0) = (half * slots * cap + s * cap, self.layout.stat_row(half, s, 0));
+            host.data.push(self.data[d0 * H * 4..(d0 + n) * H * 4].to_vec());
+            host.sums.push(self.sums[st0..st0 + n].to_vec());
+            host.bad.push(self.bad[st0..st0 + n].to_vec());
         }
+        host.stamps = self.stamps[self.layout.stamp_at(half, 0)..self.layout.stamp_at(half + 1, 0)].to_vec();
         if self.quantize {
             // Gather each row's slots (the arena is slot-major), quantize, scatter the codes back slot-major.
-            let (n, slots, w) = (self.rows, self.slots, H);
+            let w = H;
             let mut rows = vec![0u8; n * slots * w * 4];
             for r in 0..n {
                 for s in 0..slots {
-                    rows[(r * slots + s) * w * 4..(r * slots + s + 1) * w * 4]
-                        .copy_from_slice(crate::capture::rows::StepRows::row(&host, s, r));
+                    rows[(r * slots + s) * w * 4..(r * slots + s + 1) * w * 4].copy_from_slice(&host.data[s][r * w * 4..(r + 1) * w * 4]);
                 }
             }
             let (mut q, mut scales) = (vec![0u8; n * slots * w], vec![0f32; n]);
             hscapture_kernels::fp8::quantize(&rows, DType::F32, n, slots * w, &mut q, &mut scales);
-            let mut codes = vec![0u8; slots * self.cap * w];
+            let mut codes = vec![0u8; slots * cap * w];
             for r in 0..n {
                 for s in 0..slots {
-                    let at = (s * self.cap + r) * w;
+                    let at = (s * cap + r) * w;
                     codes[at..at + w].copy_from_slice(&q[(r * slots + s) * w..(r * slots + s + 1) * w]);
                 }
             }
-            self.codes[i] = Some((codes, scales));
+            host.codes = Some((codes, scales));
         }
         self.hosts[i] = Some(host);
-        self.cur = None;
         self.flight.push_back(i);
         Ok(())
     }
-    fn wait(&mut self) -> CoreResult<Box<dyn crate::capture::device::PinnedStep>> {
+    fn wait(&mut self) -> CoreResult<Box<dyn PinnedStep>> {
         self.waits += 1;
         let i = self.flight.pop_front().expect("wait without a step in flight");
-        let arena = self.hosts[i].take().expect("the buffer is not handed out twice");
-        Ok(Box::new(HostBuf { slot: i, arena, cap: self.cap, codes: self.codes[i].take() }))
+        Ok(Box::new(self.hosts[i].take().expect("the buffer is not handed out twice")))
     }
-    fn recycle(&mut self, buf: Box<dyn crate::capture::device::PinnedStep>) -> CoreResult<()> {
+    fn recycle(&mut self, buf: Box<dyn PinnedStep>) -> CoreResult<()> {
         let i = buf.ring_slot();
         assert!(self.hosts[i].is_none(), "buffer {i} given back twice");
-        // The stand-in cannot downcast the box; a fresh arena of the same shape stands for it.
-        self.hosts[i] = Some(Arena::new(self.slots, H, DType::F32));
+        self.hosts[i] = Some(HostBuf::empty(i));
         Ok(())
     }
 }

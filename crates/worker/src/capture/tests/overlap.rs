@@ -22,7 +22,7 @@ fn step(s: &mut Session, inp: StepInput, order: &[&str], layers: &[usize], devic
         let (h, r) = if device { (on_device(h), on_device(r)) } else { (h, r) };
         // SAFETY: the vectors behind `h` and `r` live until the call returns; the stand-in device
         // copies them at once.
-        unsafe { s.capture(slot, &h, Some(&r), 0).unwrap() };
+        unsafe { s.capture(slot, None, &h, Some(&r), 0).unwrap() };
     }
     (begun, s.end_step().unwrap())
 }
@@ -128,14 +128,14 @@ fn after_a_step_fails_to_be_collected_the_session_captures_nothing_more() {
     let mut h = layer_output(1, 3, 0.0);
     h[5] = f32::NAN;
     // SAFETY: `h` lives until the call returns; the stand-in device copies it at once.
-    unsafe { s.capture(0, &on_device(desc(&h, 3)), None, 0).unwrap() };
+    unsafe { s.capture(0, None, &on_device(desc(&h, 3)), None, 0).unwrap() };
     assert!(s.end_step().unwrap().is_empty());
     // The next step ends: the first is collected now, and its NaN is the error.
     s.begin_step(input(vec![], vec![cached("a", 3)], &[("a", 3)])).unwrap();
     s.plan(&["a".to_string()]).unwrap();
     let h = layer_output(1, 3, 0.0);
     // SAFETY: as above.
-    unsafe { s.capture(0, &on_device(desc(&h, 3)), None, 0).unwrap() };
+    unsafe { s.capture(0, None, &on_device(desc(&h, 3)), None, 0).unwrap() };
     assert_eq!(s.end_step().unwrap_err().kind, ErrorKind::NonFinite);
     let e = s.begin_step(input(vec![], vec![cached("a", 6)], &[("a", 3)])).unwrap_err();
     assert_eq!(e.kind, ErrorKind::NonFinite);

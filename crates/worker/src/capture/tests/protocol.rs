@@ -73,7 +73,7 @@ fn a_step_whose_forward_skipped_a_slot_names_it_and_commits_nothing() {
     p.begin(step(&[("a", 2, 2)], &[])).unwrap();
     p.plan(&["a".into()]).unwrap();
     p.admit(0, &tensor(&v, 2, H), None).unwrap();
-    let e = p.end().err().unwrap();
+    let e = p.end(true).err().unwrap();
     assert!(e.message.contains("layer id 5") && e.message.contains("found 1"), "{e}");
     p.abandon();
     assert!(!p.in_step());
@@ -96,7 +96,7 @@ fn the_hook_hears_each_opened_sample_at_begin_and_each_completed_prompt_at_end()
     for slot in 0..2 {
         p.admit(slot, &tensor(&v, 5, H), None).unwrap();
     }
-    let (plan, _) = p.end().unwrap();
+    let (plan, _) = p.end(true).unwrap();
     assert_eq!(plan.total_tokens, 5);
     assert_eq!(*heard.lock().unwrap(), vec![("gen".to_string(), None), ("a".to_string(), Some(3))], "and a prompt's rows");
 }
@@ -111,7 +111,7 @@ fn a_failing_hook_fails_the_step() {
     for slot in 0..2 {
         p.admit(slot, &tensor(&v, 2, H), None).unwrap();
     }
-    let e = p.end().err().unwrap();
+    let e = p.end(true).err().unwrap();
     assert!(e.message.contains("no lock for a"), "{e}");
 }
 

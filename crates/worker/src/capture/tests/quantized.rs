@@ -55,7 +55,7 @@ fn a_quantizing_device_needs_every_slot_on_the_assembling_rank() {
     s.begin_step(input(vec![req("a", 2, 0)], vec![], &[("a", 2)])).unwrap();
     s.plan(&["a".to_string()]).unwrap();
     // SAFETY: `v` is live for the call and not written meanwhile.
-    let e = unsafe { s.capture(0, &super::tests::desc(&v, 2), None, 0) }.unwrap_err();
+    let e = unsafe { s.capture(0, None, &super::tests::desc(&v, 2), None, 0) }.unwrap_err();
     assert!(e.message.contains("host tensor"), "{}", e.message);
 }
 
@@ -103,7 +103,7 @@ fn a_quantizing_device_keeps_the_writer_the_assembler_hands_samples_to() {
             ..d
         };
         // SAFETY: `h` and `r` are live for the call; the stand-in device copies them at once.
-        unsafe { s.capture(slot, &cuda(super::tests::desc(&h, total)), Some(&cuda(super::tests::desc(&r, total))), 0).unwrap() };
+        unsafe { s.capture(slot, None, &cuda(super::tests::desc(&h, total)), Some(&cuda(super::tests::desc(&r, total))), 0).unwrap() };
     }
     assert!(s.end_step().unwrap().is_empty(), "overlap: the step stays in flight");
     s.begin_step(crate::attribution::plan::StepInput { finished: vec!["a".into()], ..Default::default() }).unwrap();

@@ -36,7 +36,7 @@ pub(super) fn run_step(s: &mut Session, input: StepInput, order: &[&str], layers
         let h = layer_output(layer, total, 0.0);
         let r = layer_output(layer, total, 0.5);
         // SAFETY: `h` and `r` are live for the call and not written meanwhile.
-        unsafe { s.capture(slot, &desc(&h, total), Some(&desc(&r, total)), 0)? };
+        unsafe { s.capture(slot, None, &desc(&h, total), Some(&desc(&r, total)), 0)? };
     }
     Ok(s.end_step()?.pop().unwrap_or_default())
 }
@@ -113,7 +113,7 @@ fn a_missing_layer_is_named() {
     s.plan(&["a".to_string()]).unwrap();
     let h = layer_output(1, 2, 0.0);
     // SAFETY: `h` is live for the call.
-    unsafe { s.capture(0, &desc(&h, 2), None, 0).unwrap() };
+    unsafe { s.capture(0, None, &desc(&h, 2), None, 0).unwrap() };
     let e = s.end_step().unwrap_err();
     assert_eq!(e.kind, ErrorKind::ShapeContract);
     assert!(e.message.contains("layer id 3"), "{e}");
@@ -128,15 +128,15 @@ fn shape_and_dtype_are_enforced() {
     let h = vec![0f32; 3 * 8];
     let wide = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![3, 8], strides: vec![8, 1], dtype: DType::F32, device: Device::Cpu };
     // SAFETY: `h` is live for the calls below.
-    let e = unsafe { s.capture(0, &wide, None, 0) }.unwrap_err();
+    let e = unsafe { s.capture(0, None, &wide, None, 0) }.unwrap_err();
     assert!(e.message.contains("expected hidden size 4") && e.message.contains("[3, 8]"), "{e}");
     let short = desc(&h, 2);
     // SAFETY: as above.
-    let e = unsafe { s.capture(0, &short, None, 0) }.unwrap_err();
+    let e = unsafe { s.capture(0, None, &short, None, 0) }.unwrap_err();
     assert!(e.message.contains("scheduled 3 tokens") && e.message.contains("2 rows"), "{e}");
     let bf = TensorDesc { dtype: DType::BF16, ..desc(&h, 3) };
     // SAFETY: as above.
-    let e = unsafe { s.capture(0, &bf, None, 0) }.unwrap_err();
+    let e = unsafe { s.capture(0, None, &bf, None, 0) }.unwrap_err();
     assert!(e.message.contains("expected dtype float32, found bfloat16"), "{e}");
 }
 
@@ -149,7 +149,7 @@ fn non_finite_values_name_sample_layer_and_count() {
     h[5] = f32::NAN;
     h[6] = f32::INFINITY;
     // SAFETY: `h` is live for the call.
-    unsafe { s.capture(0, &desc(&h, 3), None, 0).unwrap() };
+    unsafe { s.capture(0, None, &desc(&h, 3), None, 0).unwrap() };
     let e = s.end_step().unwrap_err();
     assert_eq!(e.kind, ErrorKind::NonFinite);
     assert!(e.message.contains("sample 42") && e.message.contains("layer id 6") && e.message.contains("2 NaN/Inf"), "{e}");
@@ -165,7 +165,7 @@ fn opt_in_skips_only_the_sample_with_non_finite_values_across_chunks() {
     let mut h = layer_output(6, 4, 0.0);
     h[3 * H] = f32::NAN;
     // SAFETY: `h` is live for the call.
-    unsafe { s.capture(0, &desc(&h, 4), None, 0).unwrap() };
+    unsafe { s.capture(0, None, &desc(&h, 4), None, 0).unwrap() };
     let out = s.end_step().unwrap().remove(0);
     assert_eq!(out.completed.iter().map(|x| x.key.clone()).collect::<Vec<_>>(), vec![SampleKey::Index(0)]);
     assert!(s.take_skipped().is_empty(), "b is not complete yet");
@@ -187,7 +187,7 @@ fn padded_steps_read_only_scheduled_rows() {
     s.plan(&["a".to_string()]).unwrap();
     let h = layer_output(0, 8, 0.0); // padded to 8 rows (CUDA-graph padding)
                                      // SAFETY: `h` is live for the call.
-    unsafe { s.capture(0, &desc(&h, 8), None, 0).unwrap() };
+    unsafe { s.capture(0, None, &desc(&h, 8), None, 0).unwrap() };
     let out = s.end_step().unwrap().remove(0);
     assert_eq!(out.completed[0].rows, 3);
 }
@@ -228,7 +228,7 @@ fn device_steps_are_assembled_when_the_next_step_begins() {
             let r = layer_output(layer, total, 0.5);
             let tag = |d: TensorDesc| TensorDesc { device: Device::Cuda(0), ..d };
             // SAFETY: `h` and `r` are live for the call; the stand-in device copies them at once.
-            unsafe { dev.capture(slot, &tag(desc(&h, total)), Some(&tag(desc(&r, total))), 0).unwrap() };
+            unsafe { dev.capture(slot, None, &tag(desc(&h, total)), Some(&tag(desc(&r, total))), 0).unwrap() };
         }
         assert!(dev.end_step().unwrap().is_empty(), "device steps are not assembled at end_step");
     }
@@ -268,7 +268,7 @@ fn large_steps_scatter_in_parallel_to_the_same_result() {
             device: Device::Cpu,
         };
         // SAFETY: `h` is live for the call.
-        unsafe { s.capture(slot, &d, None, 0).unwrap() };
+        unsafe { s.capture(slot, None, &d, None, 0).unwrap() };
     }
     let out = s.end_step().unwrap().remove(0);
     assert_eq!(out.completed.len(), 4);
@@ -289,9 +289,9 @@ fn a_slot_captured_twice_in_one_step_is_refused() {
     s.plan(&["a".to_string()]).unwrap();
     let h = layer_output(1, 2, 0.0);
     // SAFETY: `h` is live for the calls.
-    unsafe { s.capture(0, &desc(&h, 2), None, 0).unwrap() };
+    unsafe { s.capture(0, None, &desc(&h, 2), None, 0).unwrap() };
     // SAFETY: as above.
-    let e = unsafe { s.capture(0, &desc(&h, 2), None, 0) }.unwrap_err();
+    let e = unsafe { s.capture(0, None, &desc(&h, 2), None, 0) }.unwrap_err();
     assert!(e.message.contains("captured twice in one step"), "{e}");
 }
 
@@ -342,7 +342,7 @@ pub(super) fn chunked_run(s: &mut Session, steps: usize, on_device: bool) -> (Ve
             let tag = |d: TensorDesc| if on_device { TensorDesc { device: Device::Cuda(0), ..d } } else { d };
             // SAFETY: `h` and `r` are live for the call and read during it (the stand-in device runs the
             // CPU twin into its own arena at once).
-            unsafe { s.capture(slot, &tag(desc(&h, total)), Some(&tag(desc(&r, total))), 0).unwrap() };
+            unsafe { s.capture(slot, None, &tag(desc(&h, total)), Some(&tag(desc(&r, total))), 0).unwrap() };
         }
         let out = s.end_step().unwrap();
         keep(out, s, &mut samples, &mut sums);

@@ -43,7 +43,7 @@ fn capture(s: &mut Session, slots: &[usize]) {
     for &slot in slots {
         let v = values(layers[slot], 5);
         // SAFETY: `v` is live for the call and not written meanwhile.
-        unsafe { s.capture(slot, &desc(&v, 5), None, 0).unwrap() };
+        unsafe { s.capture(slot, None, &desc(&v, 5), None, 0).unwrap() };
     }
 }
 
@@ -98,7 +98,7 @@ fn a_stage_out_of_step_or_a_duplicate_slot_is_refused() {
     let mut other = session(true);
     other.begin_step(step_input(0)).unwrap();
     other.plan(&["r0".to_string()]).unwrap();
-    other.abandon_step();
+    other.abandon_step().unwrap();
     other.begin_step(step_input(1)).unwrap();
     other.plan(&["r1".to_string()]).unwrap();
     let e = other.import_slots(&msg, "stage 0").unwrap_err();

@@ -60,3 +60,75 @@ def test_v2_batches_that_disagree_with_the_scheduler_or_are_not_contiguous_are_r
 def test_an_unknown_runner_is_refused():
     with pytest.raises(CompatibilityError, match="neither `input_batch`"):
         RunnerOrder(SimpleNamespace())
+
+
+def test_the_step_is_prepared_before_its_forward_v2():
+    """hscapture plans (and on a GPU arms) each step right after the runner prepared it: a replayed CUDA graph calls
+    no hook that could do it later."""
+    seen = []
+    runner = V2Runner([("a", 2), ("b", 3)])
+    o = RunnerOrder(runner, before_forward=lambda: seen.append(o.order()))
+    assert o.pre_forward
+    batch = runner.prepare_inputs("so")
+    assert seen == [["a", "b"]] and batch.req_ids == ["a", "b"], "the runner still gets its own batch"
+
+
+def test_the_step_is_prepared_before_its_forward_v1():
+    seen = []
+
+    class V1Runner:
+        input_batch = SimpleNamespace(req_ids=["b", "a"], num_reqs=2)
+
+        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+            return ("logits", num_scheduled_tokens)
+
+    runner = V1Runner()
+    o = RunnerOrder(runner, before_forward=lambda: seen.append(o.order()))
+    assert o.pre_forward and runner._prepare_inputs("so", 3) == ("logits", 3)
+    assert seen == [["b", "a"]]
+    bare = RunnerOrder(SimpleNamespace(input_batch=V1Runner.input_batch))
+    assert not bare.pre_forward, "no step preparation to follow: CUDA graphs are refused (wiring.check_graphs)"
+
+
+# What hscapture reads of Model Runner V2, as vLLM 0.34's source has it (vllm/v1/worker/gpu/input_batch.py,
+# model_runner.py): the InputBatch fields, and `execute_model` preparing the step before its forward (eager call,
+# PIECEWISE graphs and the FULL graph's replay alike).
+V2_FIELDS_034 = ("req_ids", "num_reqs", "num_scheduled_tokens", "query_start_loc_np")
+
+
+def test_v2_order_is_read_from_vllms_own_input_batch():
+    """The installed vLLM's own `InputBatch` (0.16 and the newest CPU build have Model Runner V2's): built by its
+    `make_dummy`, read by RunnerOrder; its fields are those vLLM 0.34 has."""
+    import dataclasses
+    import inspect
+
+    import torch
+
+    ib = pytest.importorskip("vllm.v1.worker.gpu.input_batch")
+    fields = {f.name for f in dataclasses.fields(ib.InputBatch)}
+    assert set(V2_FIELDS_034) <= fields, f"vLLM's InputBatch lacks {set(V2_FIELDS_034) - fields}"
+    buffers = ib.InputBuffers(max_num_reqs=4, max_num_tokens=16, device=torch.device("cpu"))
+    kwargs = (
+        {"device": torch.device("cpu")} if "device" in inspect.signature(ib.InputBatch.make_dummy).parameters else {}
+    )
+    batch = ib.InputBatch.make_dummy(3, 7, buffers, **kwargs)
+
+    class Runner:
+        def prepare_inputs(self, *args):
+            return batch
+
+    r = Runner()
+    o = RunnerOrder(r)
+    r.prepare_inputs("so")
+    counts = dict(zip(batch.req_ids, (int(x) for x in batch.num_scheduled_tokens), strict=True))
+    assert o.order(counts) == list(batch.req_ids) and sum(counts.values()) == 7
+
+
+def test_v2_execute_model_prepares_the_step_before_its_forward():
+    import inspect
+
+    mr = pytest.importorskip("vllm.v1.worker.gpu.model_runner")
+    src = inspect.getsource(mr.GPUModelRunner.execute_model)
+    prepared = src.index("self.prepare_inputs(")
+    forwards = [i for i in (src.find("self.model("), src.find("run_fullgraph"), src.find("run_pw_graph")) if i >= 0]
+    assert forwards and prepared < min(forwards), "Model Runner V2 runs a forward before preparing the step"

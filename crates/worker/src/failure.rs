@@ -1,7 +1,7 @@
 //! A capture's one failure flag, shared by the parts that can fail apart from the caller's call: the
 //! step protocol's device steps, the assembler thread and the writer's threads. The first failure is
 //! kept with where it happened; every later call of any part reports it, since the step that failed
-//! left a gap in some request's rows (docs/contract.md, rule 21).
+//! left a gap in some request's rows (docs/contract.md, rule 22).
 
 use std::sync::{Arc, Mutex};
 

@@ -1,4 +1,4 @@
-//! The shape contract on every captured tensor (docs/contract.md, rules 16–17), and the one way a
+//! The shape contract on every captured tensor (docs/contract.md, rules 16, 17 and 20), and the one way a
 //! layer slot is named in errors.
 
 use crate::attribution::layers::LayerPlan;

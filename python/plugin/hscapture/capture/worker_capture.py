@@ -63,6 +63,7 @@ class WorkerCapture:
         self.writer_rank = writer
         self.link = link  # pipeline.StageLink, under pipeline parallelism
         self.layer_ids = list(session.layer_ids)
+        self.point_codes = tuple(session.point_codes())  # each slot's capture point, as the core numbers it
         self.num_hidden_layers, self.hidden_size, self.out_dtype = num_hidden_layers, hidden_size, out_dtype
         self.model_dtype = model_dtype or out_dtype
         self.rpc = RpcState(self)  # speculators' RPC surface: the driver's view of each step
@@ -183,20 +184,20 @@ class WorkerCapture:
             # Profiling, warm-up, dummy runs and vLLM capturing its CUDA graphs: on the device path the launch is made
             # all the same (disarmed, it writes nothing) so that a graph being captured records it. An error here is
             # the model's shape, the same at every forward: raised now, it stops vLLM's start-up.
+            self._check_point(slot, point)  # a compiled graph cached for other settings: refused at start-up
             if self.device_path == "device" and hidden.device.type == "cuda":
                 if hidden.dim() > 2:
                     hidden, residual = _rows(hidden), (_rows(residual) if residual is not None else None)
-                self._launch(slot, hidden, residual, point)
-            elif point is not None:
-                self.session.check_point(slot, point)  # a compiled graph cached for other settings: refused at start-up
+                self._launch(slot, hidden, residual)
             return
         t = time.perf_counter_ns()
         try:
+            self._check_point(slot, point)
             if hidden.dim() > 2:  # [1, tokens, hidden]: vLLM's Transformers modeling backend runs HF's layers
                 hidden, residual = _rows(hidden), (_rows(residual) if residual is not None else None)
             hidden, residual = self._unshard(slot, hidden, residual)  # a collective: on every rank, every slot
             if self.sync.failure is None:
-                self.capture(slot, hidden, residual, point)
+                self.capture(slot, hidden, residual)
         except HscaptureError as e:
             self.sync.failed(e)
         except Exception as e:  # noqa: BLE001 - kept typed for the step's end, like the capture's own errors
@@ -210,22 +211,28 @@ class WorkerCapture:
             self.traced_taps += 1
         self.on_capture(slot, hidden, residual, code)
 
-    def _launch(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None, point: int | None) -> None:
-        self.session.capture(slot, hidden, residual, torch.cuda.current_stream(hidden.device).cuda_stream, point)
+    def _check_point(self, slot: int, point: int | None) -> None:
+        """A compiled graph's tap carries its capture point: it must be the slot's (the core's codes; the core words
+        the refusal)."""
+        if point is not None and (slot >= len(self.point_codes) or point != self.point_codes[slot]):
+            self.session.check_point(slot, point)
 
-    def capture(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None, point: int | None = None) -> None:
+    def _launch(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        self.session.capture(slot, hidden, residual, torch.cuda.current_stream(hidden.device).cuda_stream)
+
+    def capture(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
         """One slot's tensors into the session: through the device path (armed first if ``before_forward`` did not
         run), or read on the host."""
         if not self.session.planned:
             self.session.plan(self.step_order())
         if hidden.device.type == "cuda" and self.device_path == "device":
-            self._launch(slot, hidden, residual, point)
+            self._launch(slot, hidden, residual)
             return
         if hidden.device.type != "cpu":
             # Host fallback: only the step's rows travel, synchronously.
             hidden = hidden[: self._total].to("cpu")
             residual = residual[: self._total].to("cpu") if residual is not None else None
-        self.session.capture(slot, hidden, residual, 0, point)
+        self.session.capture(slot, hidden, residual)
 
     def end(self) -> None:
         """Ends the step: checks the contract; the steps accounted now are compared across the TP ranks

@@ -227,20 +227,27 @@ impl Tracker {
         for id in finished {
             let Some(mut t) = self.reqs.remove(id) else { continue };
             match outputs.remove(id.as_str()) {
+                // Ended with fewer rows than tokens (aborted while a preemption's recompute was catching up): this
+                // request has no sample; the capture goes on.
+                Some(tokens) if t.with_outputs && t.captured < tokens.len() => events.push(Event::Aborted {
+                    req_id: id.clone(),
+                    sample: t.sample,
+                    captured: t.captured,
+                    prompt_len: tokens.len(),
+                }),
                 Some(tokens)
                     if t.with_outputs && t.captured >= t.prompt_len && output_sample_rows(t.prompt_len, tokens.len() + 1).is_some() =>
                 {
                     let prompt_first = tokens.len() >= t.prompt_len && tokens[..t.prompt_len] == t.token_ids[..];
                     ensure!(
-                        prompt_first && t.captured >= tokens.len(),
+                        prompt_first,
                         Attribution,
-                        "step {step}: {} ({id:?}) finished with {} tokens through a forward ({} with its {}-token \
-                         prompt) and {} captured rows; expected the prompt first and a row for every token",
+                        "step {step}: {} ({id:?}) finished with {} tokens through a forward that do not start with its \
+                         {}-token prompt; expected the prompt first (the scheduler's tokens and the request's prompt \
+                         disagree: a bug, please report it)",
                         t.sample,
                         tokens.len(),
-                        if prompt_first { "starting" } else { "not starting" },
-                        t.prompt_len,
-                        t.captured
+                        t.prompt_len
                     );
                     self.finished.push(Event::Completed {
                         req_id: id.clone(),

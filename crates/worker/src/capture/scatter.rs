@@ -61,30 +61,49 @@ impl Geometry {
         self.width * if self.quantized { 1 } else { self.dtype.size() }
     }
 
-    /// A request buffer of `tokens` rows: `[tokens, slots, width]` values, then (quantized) `tokens` f32 scales.
+    /// Bytes of one token in a request buffer: its slots' values and, quantized, its f32 scale after them (each
+    /// token's scale beside its codes, so that a sample that grows by decode rows grows by whole tokens).
+    pub fn token_bytes(&self) -> usize {
+        self.slots * self.row_bytes() + if self.quantized { 4 } else { 0 }
+    }
+
+    /// A request buffer of `tokens` tokens (`token_bytes` each).
     pub fn sample_bytes(&self, tokens: usize) -> usize {
-        tokens * self.slots * self.row_bytes() + if self.quantized { tokens * 4 } else { 0 }
+        tokens * self.token_bytes()
     }
 }
 
-/// Copies a segment's rows of every slot into its request's buffer (and, quantized, their scales after them).
+/// Copies a segment's rows of every slot into its request's buffer (and, quantized, each token's scale after them).
 fn scatter_segment(seg: &Segment, buf: &mut [u8], rows: &dyn StepRows, g: Geometry) -> CoreResult<()> {
-    let (slots, rb) = (g.slots, g.row_bytes());
+    let (slots, rb, tb) = (g.slots, g.row_bytes(), g.token_bytes());
     for k in 0..seg.len {
         let pos = seg.dst_pos + k;
         for s in 0..slots {
-            let o = (pos * slots + s) * rb;
+            let o = pos * tb + s * rb;
             buf[o..o + rb].copy_from_slice(rows.row(s, seg.arena_row + k));
         }
         if g.quantized {
             let Some(scale) = rows.scale(seg.arena_row + k) else {
                 crate::bail!(Compatibility, "{}: the step's rows carry no fp8 scales, but the session stores fp8 codes", seg.sample);
             };
-            let o = seg.prompt_len * slots * rb + pos * 4;
+            let o = pos * tb + slots * rb;
             buf[o..o + 4].copy_from_slice(&scale.to_le_bytes());
         }
     }
     Ok(())
+}
+
+/// A quantized buffer's per-token scales taken out, its codes packed to `[tokens, slots, width]` in place.
+fn split_scales(g: Geometry, data: &mut Vec<u8>, tokens: usize) -> Vec<f32> {
+    let (codes, tb) = (g.slots * g.row_bytes(), g.token_bytes());
+    let mut scales = Vec::with_capacity(tokens);
+    for t in 0..tokens {
+        let s = &data[t * tb + codes..t * tb + codes + 4];
+        scales.push(f32::from_le_bytes([s[0], s[1], s[2], s[3]]));
+        data.copy_within(t * tb..t * tb + codes, t * codes);
+    }
+    data.truncate(tokens * codes);
+    scales
 }
 
 /// Where completed samples go from the scatter threads (the writer's queue).
@@ -102,7 +121,7 @@ struct Work<'a> {
 /// A completed request's buffer as a sample: handed to `emit` (None returned) or returned.
 fn finish(g: Geometry, names: &[String], c: Completion, mut data: Vec<u8>, emit: Option<Emit<'_>>) -> CoreResult<Option<Sample>> {
     let n = c.token_ids.len();
-    if c.grows && !g.quantized && data.len() > g.sample_bytes(n) {
+    if c.grows && data.len() > g.sample_bytes(n) {
         data.truncate(g.sample_bytes(n));
     }
     ensure!(
@@ -115,10 +134,7 @@ fn finish(g: Geometry, names: &[String], c: Completion, mut data: Vec<u8>, emit:
         g.width,
         g.dtype
     );
-    let scales: Option<Vec<f32>> = g.quantized.then(|| {
-        let tail = data.split_off(n * g.slots * g.row_bytes());
-        tail.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-    });
+    let scales: Option<Vec<f32>> = g.quantized.then(|| split_scales(g, &mut data, n));
     if let Some((slot, what)) = degenerate_slot(&c.token_ids, g.slots, g.row_bytes(), &data, scales.as_deref()) {
         let name = names.get(slot).cloned().unwrap_or_else(|| format!("slot {slot}"));
         crate::bail!(

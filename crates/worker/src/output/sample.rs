@@ -77,12 +77,32 @@ impl Sample {
 pub fn file_stem(key: &SampleKey) -> String {
     match key {
         SampleKey::Index(i) => format!("hs_{i}"),
-        SampleKey::Request(r) => {
-            let safe: String =
-                r.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' { c } else { '_' }).collect();
-            format!("hs_req-{safe}")
-        }
+        SampleKey::Request(r) => format!("hs_req-{}", request_stem(r)),
     }
+}
+
+/// Longest request id used verbatim in a file name (the lock and the writer's hidden partial name add to it, and a
+/// file name has at most 255 bytes).
+pub const VERBATIM_MAX: usize = 96;
+/// Characters of an unsafe or long id kept, before its digest, as a readable prefix.
+const PREFIX_MAX: usize = 48;
+
+fn safe_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')
+}
+
+/// A request id as a file name's stem, bounded, safe and distinct for distinct ids, whatever the client sent (vLLM
+/// builds its ids from the client's `X-Request-Id`):
+/// - an id of at most [`VERBATIM_MAX`] characters from `[A-Za-z0-9._-]`, not starting with `.`: the id itself;
+/// - any other: up to 48 of its characters made safe (`_` for the rest, leading dots dropped), `~`, and the 128-bit
+///   xxh3 digest of its bytes in hex. `~` never appears in a verbatim stem, so the two forms never meet, and two ids
+///   share a digest stem only if their digests collide.
+pub fn request_stem(req_id: &str) -> String {
+    if !req_id.is_empty() && req_id.len() <= VERBATIM_MAX && !req_id.starts_with('.') && req_id.chars().all(safe_char) {
+        return req_id.to_string();
+    }
+    let prefix: String = req_id.chars().take(PREFIX_MAX).map(|c| if safe_char(c) { c } else { '_' }).collect();
+    format!("{}~{:032x}", prefix.trim_start_matches('.'), xxhash_rust::xxh3::xxh3_128(req_id.as_bytes()))
 }
 
 /// xxh3-64 of the hidden-state bytes, as `xxh3:<16 hex digits>`: what manifests of format

@@ -12,12 +12,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::output::sample::request_stem;
 use crate::{core_err, error::CoreResult};
 
-/// The file name of request `req_id`'s sample: the id with anything but `[A-Za-z0-9._-]` replaced by `_`.
+/// The file name of request `req_id`'s sample: its [`request_stem`] (bounded, safe and distinct for distinct ids,
+/// whatever the client sent) and `.safetensors`.
 pub fn file_name(req_id: &str) -> String {
-    let safe: String = req_id.chars().map(|c| if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') { c } else { '_' }).collect();
-    format!("{safe}.safetensors")
+    format!("{}.safetensors", request_stem(req_id))
 }
 
 /// The lock file beside a sample file.
@@ -161,10 +162,49 @@ mod tests {
     use std::fs::TryLockError;
 
     #[test]
+    fn ids_of_any_length_and_bytes_get_bounded_safe_distinct_names() {
+        assert_eq!(file_name("cmpl-abc-0-1f2e3d4c"), "cmpl-abc-0-1f2e3d4c.safetensors", "vLLM's ids stay readable");
+        let long = format!("cmpl-{}-0-1f2e3d4c", "x".repeat(300));
+        let names = [
+            file_name("x/1"),
+            file_name("x_1"),
+            file_name("x 1"),
+            file_name(&long),
+            file_name(&format!("{long}y")),
+            file_name(".."),
+            file_name(""),
+            file_name("é/../../etc"),
+            file_name(&"/".repeat(4000)),
+        ];
+        for n in &names {
+            assert!(n.len() + ".lock".len() + ".partial-4294967295-18446744073709551615".len() < 255, "{n}: too long");
+            let safe = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '~');
+            assert!(n.chars().all(safe) && !n.starts_with('.'), "{n}: not a safe name");
+        }
+        let distinct: std::collections::HashSet<_> = names.iter().collect();
+        assert_eq!(distinct.len(), names.len(), "distinct ids share a name: {names:?}");
+        assert_ne!(file_name("x_1~00"), file_name("x/1"), "a verbatim id never takes a digest name's form");
+    }
+
+    #[test]
+    fn ids_that_differ_only_in_unsafe_characters_hold_their_own_locks() {
+        // Before, `x/1` and `x_1` shared `x_1.safetensors.lock`: this process would wait on a flock it held itself.
+        let d = tempfile::tempdir().unwrap();
+        let locks = Locks::new(d.path(), SlowDisk::default());
+        locks.hold("x/1", None).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let l = std::sync::Arc::new(locks);
+        let l2 = std::sync::Arc::clone(&l);
+        std::thread::spawn(move || tx.send(l2.hold("x_1", None).is_ok()).unwrap());
+        assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(true), "the second request waited on the first's lock");
+        assert_eq!(l.held(), 2);
+    }
+
+    #[test]
     fn a_lock_is_held_until_released_and_its_file_left_for_the_client() {
         let d = tempfile::tempdir().unwrap();
         let locks = Locks::new(d.path(), SlowDisk::default());
-        assert_eq!(file_name("cmpl-a1/b 2"), "cmpl-a1_b_2.safetensors");
+        assert_eq!(file_name("cmpl-a1-0-b2"), "cmpl-a1-0-b2.safetensors");
         locks.hold("r-1", Some(3)).unwrap();
         let path = lock_path(&d.path().join(file_name("r-1")));
         let other = File::open(&path).unwrap();

@@ -116,3 +116,53 @@ fn a_quantizing_device_keeps_the_writer_the_assembler_hands_samples_to() {
     s.set_sink(None).unwrap();
     writer.finish().unwrap();
 }
+
+/// One request capturing its generated tokens (prompt 3, two decode steps, then finished), on `s`; returns its sample.
+fn grown(s: &mut crate::capture::session::Session, device: bool) -> crate::output::sample::Sample {
+    use crate::attribution::plan::{CachedRequest, StepInput};
+    use crate::capture::tensor::{Device, TensorDesc};
+    let on = |d: TensorDesc| if device { TensorDesc { device: Device::Cuda(0), ..d } } else { d };
+    let run = |s: &mut crate::capture::session::Session, inp: StepInput, base: f32| {
+        let total = inp.total_tokens;
+        let mut outs = s.begin_step(inp).unwrap();
+        s.plan(&["a".to_string()]).unwrap();
+        for (slot, layer) in [1usize, 5].into_iter().enumerate() {
+            let (h, r) = (super::tests::layer_output(layer, total, base), super::tests::layer_output(layer, total, base + 0.5));
+            // SAFETY: `h` and `r` are live for the call; the stand-in device copies them at once.
+            unsafe { s.capture(slot, None, &on(super::tests::desc(&h, total)), Some(&on(super::tests::desc(&r, total))), 0).unwrap() };
+        }
+        outs.extend(s.end_step().unwrap());
+        outs
+    };
+    let mut first = input(vec![req("a", 3, 0)], vec![], &[("a", 3)]);
+    first.with_outputs = vec!["a".into()];
+    let mut outs = run(s, first, 0.0);
+    for pos in [3usize, 4] {
+        let cached = CachedRequest { req_id: "a".into(), num_computed_tokens: pos, resumed: false };
+        outs.extend(run(s, input(vec![], vec![cached], &[("a", 1)]), pos as f32 * 7.0));
+    }
+    let fin = StepInput { finished: vec!["a".into()], outputs: vec![("a".into(), vec![0, 1, 2, 70, 71])], ..Default::default() };
+    outs.extend(s.begin_step(fin).unwrap());
+    outs.extend(s.end_step().unwrap());
+    outs.extend(s.flush().unwrap());
+    let mut done: Vec<_> = outs.into_iter().flat_map(|o| o.completed).collect();
+    assert_eq!(done.len(), 1, "one sample");
+    done.pop().unwrap()
+}
+
+#[test]
+fn a_growing_sample_is_quantized_token_by_token_on_the_device() {
+    // Before, a request capturing its generated tokens on an fp8 server quantizing on the GPU stopped the capture
+    // (a Config error at begin_step): its scales sat after the prompt's rows. Each token's scale now sits beside its
+    // codes, so decode rows grow the sample by whole tokens.
+    let host = grown(&mut session(&[5, 1], true), false);
+    let mut s = session(&[5, 1], true);
+    s.set_device(Box::new(HostDevice::quantizing(2, 64, 2)), true).unwrap();
+    let dev = grown(&mut s, true);
+    assert_eq!((host.rows, dev.rows, &dev.token_ids), (5, 5, &vec![0, 1, 2, 70, 71]));
+    let twin = crate::output::fp8::quantize(&host).unwrap();
+    assert_eq!(dev.scales.as_ref(), Some(&twin.scales), "a scale per token, as the writer's quantization gives");
+    assert_eq!(dev.data, twin.codes, "the codes of every token, prompt and decode rows alike");
+    let fp8 = by_name("fp8", None).unwrap();
+    assert_eq!(fp8.encode(&host, &identity()).unwrap().concat(), fp8.encode(&dev, &identity()).unwrap().concat());
+}

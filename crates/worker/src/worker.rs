@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use crate::attribution::plan::StepInput;
 use crate::capture::device::DeviceBackend;
+use crate::capture::scatter::Refusal;
 use crate::capture::session::{Aborted, Session, SessionConfig, StepOutcome};
 use crate::capture::tensor::TensorDesc;
 use crate::failure::Failure;
@@ -200,6 +201,9 @@ impl WorkerSession {
                     let locks = Arc::new(Locks::new(root, out.slow_disk.clone()));
                     let held = Arc::clone(&locks);
                     session.set_completion_hook(Arc::new(move |req: &str, rows: Option<usize>| held.hold(req, rows)));
+                    // A refused sample (degenerate states) never gets a file: its client finds none, and does not wait.
+                    let refused = Arc::clone(&locks);
+                    session.set_refusal_hook(Arc::new(move |r: &Refusal| refused.abandon(&r.req_id)));
                     staged = Some(Arc::clone(&locks));
                     Layout::Staging(locks)
                 } else {

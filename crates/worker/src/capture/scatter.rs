@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::sync::Arc;
 
 use crate::attribution::plan::{SampleKey, Segment};
@@ -115,11 +116,63 @@ struct Work<'a> {
     seg: &'a Segment,
     buf: Vec<u8>,
     done: Option<(usize, Completion)>,
-    out: Option<CoreResult<Option<(usize, Sample)>>>,
+    out: Option<CoreResult<(usize, Finished)>>,
 }
 
-/// A completed request's buffer as a sample: handed to `emit` (None returned) or returned.
-fn finish(g: Geometry, names: &[String], c: Completion, mut data: Vec<u8>, emit: Option<Emit<'_>>) -> CoreResult<Option<Sample>> {
+/// A completed request whose sample is refused — its states are degenerate (all zeros, or one row for every token):
+/// it fails alone. A prompt can do that legitimately (untrained tokens whose embeddings are all zero stay zero
+/// through every layer), so one such request never stops the capture; a run of them does ([`SYSTEMATIC`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    pub sample: SampleKey,
+    pub req_id: String,
+    pub why: String,
+}
+
+/// Called on the thread that refused a sample, at once (a server's staging locks are given up there: the client
+/// waiting for the file finds none instead of waiting forever).
+pub type RefusalHook = Arc<dyn Fn(&Refusal) + Send + Sync>;
+
+/// Degenerate samples in a row, none sound between them, from which the capture stops: a hook that reads a tensor
+/// no layer computed this way makes every sample degenerate.
+pub const SYSTEMATIC: usize = 16;
+
+/// Refused samples, shared by the scatter (on whichever thread) and the session that reports them.
+#[derive(Default)]
+pub struct Refusals {
+    list: Mutex<Vec<Refusal>>,
+    hook: Mutex<Option<RefusalHook>>,
+}
+
+impl Refusals {
+    pub fn set_hook(&self, hook: RefusalHook) {
+        *self.hook.lock().unwrap_or_else(|p| p.into_inner()) = Some(hook);
+    }
+
+    /// The refusals since the last call.
+    pub fn take(&self) -> Vec<Refusal> {
+        std::mem::take(&mut *self.list.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn push(&self, r: Refusal) {
+        let hook = self.hook.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(h) = hook {
+            h(&r);
+        }
+        self.list.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+    }
+}
+
+/// What became of a completed request's buffer.
+enum Finished {
+    /// Handed to `emit`.
+    Emitted,
+    Kept(Sample),
+    Refused(Refusal),
+}
+
+/// A completed request's buffer as a sample: handed to `emit`, returned, or refused.
+fn finish(g: Geometry, names: &[String], c: Completion, mut data: Vec<u8>, emit: Option<Emit<'_>>) -> CoreResult<Finished> {
     let n = c.token_ids.len();
     if c.grows && data.len() > g.sample_bytes(n) {
         data.truncate(g.sample_bytes(n));
@@ -137,14 +190,8 @@ fn finish(g: Geometry, names: &[String], c: Completion, mut data: Vec<u8>, emit:
     let scales: Option<Vec<f32>> = g.quantized.then(|| split_scales(g, &mut data, n));
     if let Some((slot, what)) = degenerate_slot(&c.token_ids, g.slots, g.row_bytes(), &data, scales.as_deref()) {
         let name = names.get(slot).cloned().unwrap_or_else(|| format!("slot {slot}"));
-        crate::bail!(
-            DegenerateStates,
-            "{}: {name} is {}; expected the states of different tokens to differ. The hook read a tensor that no layer \
-             computed this way (a buffer never written or reused, a constant): check the capture point (layer ids, \
-             convention) and the model's forward; nothing of this sample is written",
-            c.sample,
-            what.describe(n)
-        );
+        let why = format!("{name} is {}; expected the states of different tokens to differ", what.describe(n));
+        return Ok(Finished::Refused(Refusal { sample: c.sample, req_id: c.req_id, why }));
     }
     let sample = Sample {
         key: c.sample,
@@ -159,8 +206,8 @@ fn finish(g: Geometry, names: &[String], c: Completion, mut data: Vec<u8>, emit:
         scales,
     };
     match emit {
-        Some(f) => f(sample).map(|()| None),
-        None => Ok(Some(sample)),
+        Some(f) => f(sample).map(|()| Finished::Emitted),
+        None => Ok(Finished::Kept(sample)),
     }
 }
 
@@ -172,7 +219,7 @@ fn work_one(w: &mut Work<'_>, rows: &dyn StepRows, g: Geometry, names: &[String]
     }
     if let Some((i, c)) = w.done.take() {
         let data = std::mem::take(&mut w.buf);
-        w.out = Some(finish(g, names, c, data, emit).map(|s| s.map(|s| (i, s))));
+        w.out = Some(finish(g, names, c, data, emit).map(|f| (i, f)));
     }
 }
 
@@ -207,16 +254,45 @@ pub struct Scatter {
     pool: Arc<BufferPool>,
     /// Bytes held by requests in progress (read by the session from any thread).
     held: Arc<AtomicUsize>,
+    refusals: Arc<Refusals>,
+    /// Degenerate samples since the last sound one.
+    degenerate_run: usize,
 }
 
 impl Scatter {
     pub fn new(geo: Geometry, pool: Arc<BufferPool>) -> Scatter {
-        Scatter::named(geo, pool, (0..geo.slots).map(|s| format!("slot {s}")).collect())
+        Scatter::named(geo, pool, (0..geo.slots).map(|s| format!("slot {s}")).collect(), Arc::default())
     }
 
-    /// As `new`, naming each slot in errors.
-    pub fn named(geo: Geometry, pool: Arc<BufferPool>, names: Arc<[String]>) -> Scatter {
-        Scatter { geo, names, bufs: HashMap::new(), pool, held: Arc::new(AtomicUsize::new(0)) }
+    /// As `new`, naming each slot in errors, refusing degenerate samples into `refusals`.
+    pub fn named(geo: Geometry, pool: Arc<BufferPool>, names: Arc<[String]>, refusals: Arc<Refusals>) -> Scatter {
+        Scatter { geo, names, bufs: HashMap::new(), pool, held: Arc::new(AtomicUsize::new(0)), refusals, degenerate_run: 0 }
+    }
+
+    /// Counts a finished sample: refused ones are reported (and their hook called) at once; a run of
+    /// [`SYSTEMATIC`] of them with none sound between is the capture's error.
+    fn settle(&mut self, f: Finished, kept: &mut Vec<Sample>) -> CoreResult<()> {
+        match f {
+            Finished::Refused(r) => {
+                self.degenerate_run += 1;
+                let (sample, why) = (r.sample.clone(), r.why.clone());
+                self.refusals.push(r);
+                ensure!(
+                    self.degenerate_run < SYSTEMATIC,
+                    DegenerateStates,
+                    "{sample}: {why}, and so were the {} samples before it, none sound between them: the hook reads a \
+                     tensor that no layer computes this way (a buffer never written or reused, a constant). Check the \
+                     capture point (layer ids, convention) and the model's forward",
+                    SYSTEMATIC - 1
+                );
+            }
+            Finished::Kept(s) => {
+                self.degenerate_run = 0;
+                kept.push(s);
+            }
+            Finished::Emitted => self.degenerate_run = 0,
+        }
+        Ok(())
     }
 
     /// Rows arrive as fp8 codes and scales from now on (a quantizing device). Only while no request is held.
@@ -305,12 +381,11 @@ impl Scatter {
             })
             .collect();
         scatter_all(&mut work, rows, g, &self.names, emit);
-        let mut kept = Vec::new();
+        let mut finished = Vec::new();
         let mut first_err = None;
         for w in work {
             match w.out {
-                Some(Ok(Some(sample))) => kept.push(sample),
-                Some(Ok(None)) => {}
+                Some(Ok(f)) => finished.push(f),
                 Some(Err(e)) => {
                     first_err.get_or_insert(e);
                 }
@@ -325,11 +400,17 @@ impl Scatter {
         for (i, c) in rest {
             let data = self.bufs.remove(&c.req_id).map(|p| p.data).unwrap_or_default();
             match finish(g, &self.names, c, data, emit) {
-                Ok(Some(sample)) => kept.push((i, sample)),
-                Ok(None) => {}
+                Ok(f) => finished.push((i, f)),
                 Err(e) => {
                     first_err.get_or_insert(e);
                 }
+            }
+        }
+        finished.sort_by_key(|(i, _)| *i);
+        let mut kept = Vec::new();
+        for (_, f) in finished {
+            if let Err(e) = self.settle(f, &mut kept) {
+                first_err.get_or_insert(e);
             }
         }
         for r in &job.discard {
@@ -341,8 +422,7 @@ impl Scatter {
         if let Some(e) = first_err {
             return Err(e);
         }
-        kept.sort_by_key(|(i, _)| *i);
-        Ok(kept.into_iter().map(|(_, s)| s).collect())
+        Ok(kept)
     }
 }
 

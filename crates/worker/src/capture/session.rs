@@ -22,7 +22,7 @@ use crate::capture::device::{DeviceBackend, PinnedStep};
 use crate::capture::device_steps::DeviceSteps;
 pub use crate::capture::protocol::CompletionHook;
 use crate::capture::protocol::StepProtocol;
-use crate::capture::scatter::{Geometry, ScatterJob};
+use crate::capture::scatter::{Geometry, RefusalHook, ScatterJob};
 use crate::capture::stamps::verify as verify_stamps;
 pub use crate::capture::step::{Aborted, SessionConfig, SessionStats, StepOutcome};
 use crate::capture::step_buffers::StepBuffers;
@@ -94,9 +94,21 @@ impl Session {
         self.accounting.skip_nonfinite = skip;
     }
 
-    /// Samples skipped for non-finite values since the last call: (sample, request id, why).
+    /// Samples skipped since the last call — for non-finite values (opt-in), or refused for degenerate states —:
+    /// (sample, request id, why).
     pub fn take_skipped(&mut self) -> Vec<(SampleKey, String, String)> {
-        std::mem::take(&mut self.accounting.skipped)
+        let mut out = std::mem::take(&mut self.accounting.skipped);
+        for r in self.buffers.refusals().take() {
+            self.accounting.stats.skipped += 1;
+            out.push((r.sample, r.req_id, format!("degenerate states: {}", r.why)));
+        }
+        out
+    }
+
+    /// Called at once, on the thread that refused it, for each sample refused for degenerate states (a server gives
+    /// up the request's staging lock there: its client finds no file instead of waiting).
+    pub fn set_refusal_hook(&mut self, hook: RefusalHook) {
+        self.buffers.refusals().set_hook(hook);
     }
 
     /// Captures device tensors through `device` from now on (once, before the first step); with

@@ -14,7 +14,7 @@ use crate::capture::arena::Arena;
 use crate::capture::assembler::{Assembler, StepBuffer};
 use crate::capture::device::PinnedStep;
 use crate::capture::device_steps::DeviceSteps;
-use crate::capture::scatter::{Geometry, Scatter, ScatterJob};
+use crate::capture::scatter::{Geometry, Refusals, Scatter, ScatterJob};
 use crate::capture::tensor::TensorDesc;
 use crate::failure::Failure;
 use crate::output::pool::BufferPool;
@@ -43,11 +43,14 @@ pub struct StepBuffers {
     scattering: Scattering,
     /// Device pinned buffers with the assembler thread.
     pinned_out: usize,
+    /// Samples the scatter refused (degenerate states), wherever it runs.
+    refusals: Arc<Refusals>,
 }
 
 impl StepBuffers {
     pub fn new(geo: Geometry, names: Arc<[String]>, pool: Arc<BufferPool>, failure: Failure) -> StepBuffers {
-        let scattering = Scattering::Inline(Scatter::named(geo, Arc::clone(&pool), Arc::clone(&names)));
+        let refusals = Arc::new(Refusals::default());
+        let scattering = Scattering::Inline(Scatter::named(geo, Arc::clone(&pool), Arc::clone(&names), Arc::clone(&refusals)));
         StepBuffers {
             geo,
             names,
@@ -59,6 +62,7 @@ impl StepBuffers {
             ring: 1,
             scattering,
             pinned_out: 0,
+            refusals,
         }
     }
 
@@ -66,7 +70,7 @@ impl StepBuffers {
     pub fn set_background(&mut self, ring: usize) -> CoreResult<()> {
         ensure!(ring >= 2, Config, "background assembly needs a ring of at least 2 step buffers, found {ring}");
         if let Scattering::Inline(_) = self.scattering {
-            let scatter = Scatter::named(self.geo, Arc::clone(&self.pool), Arc::clone(&self.names));
+            let scatter = Scatter::named(self.geo, Arc::clone(&self.pool), Arc::clone(&self.names), Arc::clone(&self.refusals));
             self.scattering = Scattering::Background(Assembler::start(scatter, self.failure.clone())?);
         }
         self.ring = ring;
@@ -87,6 +91,11 @@ impl StepBuffers {
 
     pub fn quantized(&self) -> bool {
         self.geo.quantized
+    }
+
+    /// Samples the scatter refused (see [`Refusals`]), on whichever thread it runs.
+    pub fn refusals(&self) -> &Arc<Refusals> {
+        &self.refusals
     }
 
     pub fn background(&self) -> bool {
@@ -311,6 +320,7 @@ impl StepBuffers {
 
     /// Stops the assembler thread (it may be reading a device's pinned buffers: before the device goes).
     pub fn stop(&mut self) {
-        self.scattering = Scattering::Inline(Scatter::named(self.geo, Arc::clone(&self.pool), Arc::clone(&self.names)));
+        self.scattering =
+            Scattering::Inline(Scatter::named(self.geo, Arc::clone(&self.pool), Arc::clone(&self.names), Arc::clone(&self.refusals)));
     }
 }

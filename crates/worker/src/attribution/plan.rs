@@ -229,12 +229,9 @@ impl Tracker {
             match outputs.remove(id.as_str()) {
                 // Ended with fewer rows than tokens (aborted while a preemption's recompute was catching up): this
                 // request has no sample; the capture goes on.
-                Some(tokens) if t.with_outputs && t.captured < tokens.len() => events.push(Event::Aborted {
-                    req_id: id.clone(),
-                    sample: t.sample,
-                    captured: t.captured,
-                    prompt_len: tokens.len(),
-                }),
+                Some(tokens) if t.with_outputs && t.captured < tokens.len() => {
+                    events.push(Event::Aborted { req_id: id.clone(), sample: t.sample, captured: t.captured, prompt_len: tokens.len() })
+                }
                 Some(tokens)
                     if t.with_outputs && t.captured >= t.prompt_len && output_sample_rows(t.prompt_len, tokens.len() + 1).is_some() =>
                 {

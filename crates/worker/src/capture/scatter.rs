@@ -8,8 +8,8 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 use std::sync::Arc;
+use std::sync::Mutex;
 
 use crate::attribution::plan::{SampleKey, Segment};
 use crate::capture::rows::StepRows;

@@ -262,7 +262,11 @@ fn a_request_with_outputs_aborted_while_its_preemption_is_recomputed_fails_alone
     t.plan(&ids(&["b"])).unwrap();
     t.commit().unwrap();
     // The recompute: a from position 0, 4 tokens of its 5 (prompt and outputs), b finishes its prompt.
-    let mut re = step(vec![], vec![CachedRequest { req_id: "a".into(), num_computed_tokens: 0, resumed: true }, cached("b", 3)], &[("a", 4), ("b", 1)]);
+    let mut re = step(
+        vec![],
+        vec![CachedRequest { req_id: "a".into(), num_computed_tokens: 0, resumed: true }, cached("b", 3)],
+        &[("a", 4), ("b", 1)],
+    );
     re.cached_requests[1] = cached("b", 3);
     t.begin_step(re).unwrap();
     t.plan(&ids(&["a", "b"])).unwrap();

@@ -41,3 +41,27 @@ def test_fp8_is_quantized_on_the_device_only_by_the_rank_writing_fp8_files(monke
     path = wiring.enable_device(session, cfg, writer, vc)
     assert (path.kind, path.fp8) == ("device", fp8)
     assert session.calls[0][1] == 64 and session.calls[0][4] is fp8
+
+
+@pytest.mark.parametrize("overlap,ring", [("0", 1), ("1", 2), ("2", 3)])
+def test_steps_kept_in_flight_size_the_ring(monkeypatch, overlap, ring):
+    """Each step kept in flight holds a pinned buffer of its own (a verifying rank: no assembler ring)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda_libs, "preload_nvrtc", lambda: None)
+    monkeypatch.setenv("HSCAPTURE_DEVICE_OVERLAP", overlap)
+    session = Session()
+    vc = NS(device_config=NS(device_type="cuda"), scheduler_config=NS(max_num_batched_tokens=64))
+    path = wiring.enable_device(session, CaptureConfig(layers=(1,), convention="after"), False, vc)
+    assert (path.overlap, session.calls[0][2], session.calls[0][3]) == (int(overlap), ring, int(overlap))
+
+
+def test_more_than_two_steps_in_flight_is_refused(monkeypatch):
+    from hscapture import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_libs, "preload_nvrtc", lambda: None)
+    monkeypatch.setenv("HSCAPTURE_DEVICE_OVERLAP", "3")
+    vc = NS(device_config=NS(device_type="cuda"), scheduler_config=NS(max_num_batched_tokens=64))
+    with pytest.raises(ConfigError, match="HSCAPTURE_DEVICE_OVERLAP=3 is not valid"):
+        wiring.enable_device(Session(), CaptureConfig(layers=(1,), convention="after"), False, vc)

@@ -43,10 +43,17 @@ def test_ranks_on_the_same_path_agree():
     capture(SimpleNamespace(size=1, rank=0), "host")._agree_on_path()
 
 
-@pytest.mark.parametrize("peer,why", [(code("host"), r"rank 1: host"), (code("device", False), r"rank 1: device\)")])
+@pytest.mark.parametrize(
+    "peer,why",
+    [
+        (code("host"), r"rank 1: host"),
+        (code("device", False), r"rank 1: device\)"),
+        (code("device", 2), r"rank 1: device \(2 steps in flight\)"),
+    ],
+)
 def test_a_rank_on_another_path_is_refused_by_name(peer, why):
     with pytest.raises(
-        CompatibilityError, match=rf"rank 0: device \(overlapped steps\); {why}.*HSCAPTURE_DEVICE_PATH=off"
+        CompatibilityError, match=rf"rank 0: device \(1 steps in flight\); {why}.*HSCAPTURE_DEVICE_PATH=off"
     ):
         capture(PeersTP([peer]), "device", True)._agree_on_path()
 

@@ -217,10 +217,10 @@ def test_a_divergent_rank_is_named_on_both(tmp_path):
 
 
 def _perturbed(capture):
-    def f(slot, hidden, residual, point=None):
+    def f(slot, hidden, residual):
         hidden = hidden.clone()
         hidden[0, 0] += 1.0
-        capture(slot, hidden, residual, point)
+        capture(slot, hidden, residual)
 
     return f
 

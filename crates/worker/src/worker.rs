@@ -254,7 +254,7 @@ impl WorkerSession {
     }
 
     /// Captures device tensors through `device` from now on (see [`Session::set_device`]).
-    pub fn set_device(&mut self, device: Box<dyn DeviceBackend>, overlap: bool) -> CoreResult<()> {
+    pub fn set_device(&mut self, device: Box<dyn DeviceBackend>, in_flight: usize) -> CoreResult<()> {
         ensure!(
             !device.quantizes() || (self.format == "fp8" && matches!(self.output, Output::Files(_))),
             Config,
@@ -263,7 +263,7 @@ impl WorkerSession {
             self.format,
             if matches!(self.output, Output::Files(_)) { "" } else { " (and writes no files)" }
         );
-        self.session.set_device(device, overlap)
+        self.session.set_device(device, in_flight)
     }
 
     /// Keeps the samples of `outs` until their steps are released, and stores those the assembler thread

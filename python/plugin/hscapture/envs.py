@@ -118,10 +118,12 @@ REGISTRY: dict[str, EnvVar] = {
         ),
         EnvVar(
             "HSCAPTURE_DEVICE_OVERLAP",
-            "bool",
-            "1",
-            "Device path: a step begins while the previous one's forward and copies still run (its rows are "
-            "accounted one step later; one more pinned buffer). `0`: accounted when the next step begins.",
+            "int",
+            "2",
+            "Device path: ended steps kept in flight (`0`, `1` or `2`), their copies running while the next forwards "
+            "do; a step's rows are accounted that many steps later, with one pinned buffer more each. `2` keeps the "
+            "host from waiting for the GPU when vLLM runs ahead of it (asynchronous scheduling, CUDA graphs). `0`: "
+            "accounted when the next step begins.",
         ),
         EnvVar(
             "HSCAPTURE_FP8_ON_DEVICE",

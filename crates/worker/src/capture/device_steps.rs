@@ -29,21 +29,24 @@ pub struct InFlight {
 pub struct DeviceSteps {
     backend: Box<dyn DeviceBackend>,
     pending: VecDeque<InFlight>,
-    /// Steps left in flight when the next step begins (1 with overlap, else 0).
+    /// Steps left in flight when a step ends or the next begins (0: collected when the next begins).
     keep: usize,
 }
 
 impl DeviceSteps {
-    /// With `overlap`, a step begins while the previous one is in flight, which needs a ring of at
-    /// least 2 host buffers.
-    pub fn new(backend: Box<dyn DeviceBackend>, overlap: bool) -> CoreResult<DeviceSteps> {
+    /// With `in_flight` > 0, that many ended steps stay in flight when a step ends or begins (their copies run while
+    /// the next forwards do), which needs a ring of at least `in_flight + 1` host buffers.
+    pub fn new(backend: Box<dyn DeviceBackend>, in_flight: usize) -> CoreResult<DeviceSteps> {
+        ensure!(in_flight <= 2, Config, "{in_flight} device steps in flight: expected 0, 1 or 2");
         ensure!(
-            !overlap || backend.ring() >= 2,
+            in_flight == 0 || backend.ring() > in_flight,
             Config,
-            "overlapping device steps needs a ring of at least 2 host buffers (one in flight, one being filled); found {}",
+            "keeping {in_flight} device steps in flight needs a ring of at least {} host buffers ({in_flight} in flight, \
+             one being filled); found {}",
+            in_flight + 1,
             backend.ring()
         );
-        Ok(DeviceSteps { backend, pending: VecDeque::new(), keep: usize::from(overlap) })
+        Ok(DeviceSteps { backend, pending: VecDeque::new(), keep: in_flight })
     }
 
     /// Steps left in flight when the next one begins.

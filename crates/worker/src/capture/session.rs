@@ -111,9 +111,9 @@ impl Session {
         self.buffers.refusals().set_hook(hook);
     }
 
-    /// Captures device tensors through `device` from now on (once, before the first step); with
-    /// `overlap`, a step begins while the previous device step is still in flight.
-    pub fn set_device(&mut self, device: Box<dyn DeviceBackend>, overlap: bool) -> CoreResult<()> {
+    /// Captures device tensors through `device` from now on (once, before the first step), keeping `in_flight`
+    /// ended device steps in flight (0, 1 or 2: their copies run while the next forwards do).
+    pub fn set_device(&mut self, device: Box<dyn DeviceBackend>, in_flight: usize) -> CoreResult<()> {
         ensure!(self.device.is_none() && self.fresh(), Config, "the device path is enabled once, before the first step");
         if device.quantizes() {
             let slots = self.protocol.slots();
@@ -125,7 +125,7 @@ impl Session {
             );
             self.buffers.set_quantized()?;
         }
-        self.device = Some(DeviceSteps::new(device, overlap)?);
+        self.device = Some(DeviceSteps::new(device, in_flight)?);
         Ok(())
     }
 

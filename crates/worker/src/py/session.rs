@@ -246,23 +246,24 @@ impl CaptureSession {
 
     /// Captures CUDA tensors on device `ordinal` from now on: compiles the capture kernel (NVRTC) and
     /// allocates the fixed device arena of `capacity_rows` rows per layer and `host_ring` pinned host
-    /// buffers. With `overlap`, a step begins while the previous one's forward and copies are in flight
-    /// (needs `host_ring` ≥ 2; the arena has two halves). With `fp8`, each step is quantized on the device (the fp8
-    /// format's codes and scales cross PCIe). Returns the architecture the kernel was built for.
-    #[pyo3(signature = (ordinal, capacity_rows, host_ring=2, overlap=true, fp8=false))]
+    /// buffers. `overlap`: ended steps kept in flight (0, 1 or 2; a bool is 0 or 1), their copies running while the
+    /// next forwards do (needs `host_ring` > `overlap`; the arena then has two halves). With `fp8`, each step is
+    /// quantized on the device (the fp8 format's codes and scales cross PCIe). Returns the architecture the kernel
+    /// was built for.
+    #[pyo3(signature = (ordinal, capacity_rows, host_ring=2, overlap=1, fp8=false))]
     fn enable_device(
         &mut self,
         py: Python<'_>,
         ordinal: i32,
         capacity_rows: usize,
         host_ring: usize,
-        overlap: bool,
+        overlap: usize,
         fp8: bool,
     ) -> PyResult<String> {
         guard("enable_device", || {
             let cfg = self.inner.session().config().clone();
             let (slots, width, dtype) = (cfg.layers.num_slots(), cfg.hidden_size, cfg.out_dtype);
-            let halves = 1 + usize::from(overlap);
+            let halves = if overlap == 0 { 1 } else { 2 };
             let dev = py.detach(|| CudaDevice::new(ordinal, slots, width, dtype, capacity_rows, halves, host_ring, fp8))?;
             let arch = dev.arch().to_string();
             self.inner.set_device(Box::new(dev), overlap)?;

@@ -252,7 +252,7 @@ fn a_release_does_not_wait_for_the_samples_of_the_step_still_in_flight() {
     let cfg4 = SessionConfig { hidden_size: 4, ..cfg(true) };
     let mut w = WorkerSession::new(cfg4, o).unwrap();
     w.set_background(2).unwrap();
-    w.set_device(Box::new(HostDevice::new(1, 16, 3)), true).unwrap();
+    w.set_device(Box::new(HostDevice::new(1, 16, 3)), 1).unwrap();
     w.begin_step(whole_prompt("r0", vec![1, 2, 3], None)).unwrap();
     w.release().unwrap();
     w.plan(&["r0".to_string()], None).unwrap();

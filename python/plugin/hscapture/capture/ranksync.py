@@ -56,9 +56,10 @@ def unexpected(where: str, e: Exception) -> HscaptureError:
     return err
 
 
-def path_code(path: str, overlap: bool) -> int:
-    """A rank's capture path as the number the start-up all-gather carries."""
-    return PATHS.index(path) * 2 + int(overlap and path == "device")
+def path_code(path: str, overlap: int) -> int:
+    """A rank's capture path (and, on the device path, the steps it keeps in flight) as the number the start-up
+    all-gather carries."""
+    return PATHS.index(path) * 4 + (int(overlap) if path == "device" else 0)
 
 
 class RankSync:
@@ -177,7 +178,7 @@ class RankSync:
             raise
 
     # -- start-up --------------------------------------------------------------------------------
-    def agree_on_path(self, path: str, overlap: bool, failure: HscaptureError | None = None) -> None:
+    def agree_on_path(self, path: str, overlap: int, failure: HscaptureError | None = None) -> None:
         """Every TP rank must capture the same way: device steps are accounted later than host steps (and
         later still with overlap), so ranks on different paths would compare the checksums of different
         steps, or wait for each other forever at the end. Refused at start-up, naming ranks. A rank whose
@@ -187,7 +188,7 @@ class RankSync:
                 raise failure
             return
         codes = self.tp.all_gather_i64(path_code(path, overlap))
-        failed = [r for r, c in enumerate(codes) if PATHS[c // 2] == "failed"]
+        failed = [r for r, c in enumerate(codes) if PATHS[c // 4] == "failed"]
         if failure is not None:
             raise failure
         if failed:
@@ -199,7 +200,9 @@ class RankSync:
             raise e
         if len(set(codes)) == 1:
             return
-        seen = [f"rank {r}: {PATHS[c // 2]}{' (overlapped steps)' if c % 2 else ''}" for r, c in enumerate(codes)]
+        seen = [
+            f"rank {r}: {PATHS[c // 4]}{f' ({c % 4} steps in flight)' if c % 4 else ''}" for r, c in enumerate(codes)
+        ]
         raise CompatibilityError(
             f"the tensor-parallel ranks capture in different ways ({'; '.join(seen)}); expected the same path on "
             "every rank, since each path accounts steps at different calls and the cross-rank check would compare "

@@ -159,12 +159,12 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
 
 @dataclass(frozen=True)
 class DevicePath:
-    """How rows leave the GPU: ``device`` (kernel + arena + async copies; ``overlap``: a step collected while the
+    """How rows leave the GPU: ``device`` (kernel + arena + async copies; ``overlap``: steps kept in flight, collected while the
     next runs; ``fp8``: quantized there), ``host`` (copies in the hook; slow, correct), ``none`` (the model is not
     on CUDA) or ``failed`` (the device path was required and could not be set up)."""
 
     kind: str = "none"
-    overlap: bool = False
+    overlap: int = 0
     fp8: bool = False
 
 
@@ -179,11 +179,15 @@ def enable_device(session: Any, cfg: CaptureConfig, writer: bool, vc: Any) -> De
 
     preload_nvrtc()
     rows = int(vc.scheduler_config.max_num_batched_tokens)
-    overlap = bool(envs.get("HSCAPTURE_DEVICE_OVERLAP"))
+    overlap = int(envs.get("HSCAPTURE_DEVICE_OVERLAP"))
+    if overlap not in (0, 1, 2):
+        raise ConfigError(
+            f"HSCAPTURE_DEVICE_OVERLAP={overlap} is not valid: expected 0, 1 or 2 device steps kept in flight"
+        )
     try:
-        # The assembler's ring (ranks that only verify need one buffer), plus the step in flight (with overlap the
+        # The assembler's ring (ranks that only verify need one buffer), plus the steps in flight (with overlap the
         # device arena has two halves: one step's kernels write one while the step before is copied from the other).
-        ring = ((assembly_ring() if session.background else 0) or 1) + int(overlap)
+        ring = ((assembly_ring() if session.background else 0) or 1) + overlap
         # fp8 files from the device path: quantized on the GPU after each step's last layer (codes and scales cross
         # PCIe), on the rank that writes them.
         fp8 = bool(writer and cfg.format == "fp8" and cfg.out and envs.get("HSCAPTURE_FP8_ON_DEVICE"))
@@ -202,7 +206,7 @@ def enable_device(session: Any, cfg: CaptureConfig, writer: bool, vc: Any) -> De
         " in two halves" if overlap else "",
         ring,
         "on the assembler thread" if session.background else "inline",
-        "overlapped" if overlap else "collected when the next begins",
+        f"{overlap} in flight" if overlap else "collected when the next begins",
         ", fp8 quantized on the device" if fp8 else "",
     )
     return DevicePath("device", overlap, fp8)

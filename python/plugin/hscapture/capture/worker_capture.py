@@ -69,7 +69,7 @@ class WorkerCapture:
         self.rpc = RpcState(self)  # speculators' RPC surface: the driver's view of each step
         # wiring.DevicePath: how rows leave the GPU ("none" off CUDA), overlapped or not, quantized there for fp8
         self.device_path = getattr(path, "kind", "none")
-        self.overlap = bool(getattr(path, "overlap", False))
+        self.overlap = int(getattr(path, "overlap", 0))
         self.fp8_on_device = bool(getattr(path, "fp8", False))
         # Per-request files whose clients wait for them, from an engine that may not step again: every device step
         # is collected at its own end instead of the next step's (wiring.py).

@@ -36,22 +36,24 @@ fn overlapped_steps_give_the_host_paths_samples_and_checksums() {
     let (want, want_sums) = chunked_run(&mut session(&[5, 1], true), 12, false);
     // Inline: 2 buffers (one in flight, one filling). Background: the assembler's ring plus the one
     // in flight, and the tightest ring (2), where the worker waits for the assembler every step.
-    for (ring, background) in [(2usize, false), (3, true), (2, true)] {
+    // Two steps in flight: a ring of 3 inline, the assembler's 2 plus 2 in the background.
+    for (ring, background, in_flight) in [(2usize, false, 1usize), (3, true, 1), (2, true, 1), (3, false, 2), (4, true, 2)] {
         let mut s = session(&[5, 1], true);
-        s.set_device(Box::new(HostDevice::new(2, 64, ring)), true).unwrap();
+        s.set_device(Box::new(HostDevice::new(2, 64, ring)), in_flight).unwrap();
         if background {
             s.set_background(2).unwrap();
         }
         let (got, sums) = chunked_run(&mut s, 12, true);
-        assert_eq!(got, want, "ring {ring}, background {background}: same samples byte for byte");
-        assert_eq!(sums, want_sums, "ring {ring}, background {background}: same checksums, in step order");
+        let case = format!("ring {ring}, background {background}, {in_flight} in flight");
+        assert_eq!(got, want, "{case}: same samples byte for byte");
+        assert_eq!(sums, want_sums, "{case}: same checksums, in step order");
     }
 }
 
 #[test]
 fn a_device_step_is_accounted_when_the_next_one_ends() {
     let mut s = session(&[1], true);
-    s.set_device(Box::new(HostDevice::new(1, 64, 2)), true).unwrap();
+    s.set_device(Box::new(HostDevice::new(1, 64, 2)), 1).unwrap();
     let (b0, e0) = step(&mut s, input(vec![req("a", 9, 0)], vec![], &[("a", 3)]), &["a"], &[1], true);
     assert!(b0.is_empty() && e0.is_empty());
     let (b1, e1) = step(&mut s, input(vec![], vec![cached("a", 3)], &[("a", 3)]), &["a"], &[1], true);
@@ -68,7 +70,7 @@ fn a_device_step_is_accounted_when_the_next_one_ends() {
 
     // Without overlap: each step is accounted when the next begins.
     let mut serial = session(&[1], true);
-    serial.set_device(Box::new(HostDevice::new(1, 64, 1)), false).unwrap();
+    serial.set_device(Box::new(HostDevice::new(1, 64, 1)), 0).unwrap();
     step(&mut serial, input(vec![req("a", 9, 0)], vec![], &[("a", 3)]), &["a"], &[1], true);
     let (b1, e1) = step(&mut serial, input(vec![], vec![cached("a", 3)], &[("a", 3)]), &["a"], &[1], true);
     assert_eq!((b1.len(), e1.len()), (1, 0));
@@ -78,7 +80,7 @@ fn a_device_step_is_accounted_when_the_next_one_ends() {
 fn a_request_ending_while_its_rows_are_in_flight_is_dropped_after_them() {
     for background in [false, true] {
         let mut s = session(&[1], true);
-        s.set_device(Box::new(HostDevice::new(1, 64, 3)), true).unwrap();
+        s.set_device(Box::new(HostDevice::new(1, 64, 3)), 1).unwrap();
         if background {
             s.set_background(2).unwrap();
         }
@@ -100,7 +102,7 @@ fn a_step_without_device_captures_waits_for_the_steps_in_flight() {
     let layers = [1usize, 5];
     let mut host = session(&[5, 1], true);
     let mut s = session(&[5, 1], true);
-    s.set_device(Box::new(HostDevice::new(2, 64, 2)), true).unwrap();
+    s.set_device(Box::new(HostDevice::new(2, 64, 2)), 1).unwrap();
     let first = || input(vec![req("a", 5, 0)], vec![], &[("a", 3)]);
     let second = || input(vec![], vec![cached("a", 3)], &[("a", 2)]);
     step(&mut host, first(), &["a"], &layers, false);
@@ -114,7 +116,7 @@ fn a_step_without_device_captures_waits_for_the_steps_in_flight() {
 #[test]
 fn overlap_needs_a_ring_of_two() {
     let mut s = session(&[1], true);
-    let e = s.set_device(Box::new(HostDevice::new(1, 64, 1)), true).unwrap_err();
+    let e = s.set_device(Box::new(HostDevice::new(1, 64, 1)), 1).unwrap_err();
     assert_eq!(e.kind, ErrorKind::Config);
     assert!(e.message.contains("at least 2 host buffers"), "{e}");
 }
@@ -122,7 +124,7 @@ fn overlap_needs_a_ring_of_two() {
 #[test]
 fn after_a_step_fails_to_be_collected_the_session_captures_nothing_more() {
     let mut s = session(&[1], true);
-    s.set_device(Box::new(HostDevice::new(1, 64, 2)), true).unwrap();
+    s.set_device(Box::new(HostDevice::new(1, 64, 2)), 1).unwrap();
     s.begin_step(input(vec![req("a", 9, 0)], vec![], &[("a", 3)])).unwrap();
     s.plan(&["a".to_string()]).unwrap();
     let mut h = layer_output(1, 3, 0.0);
@@ -141,4 +143,24 @@ fn after_a_step_fails_to_be_collected_the_session_captures_nothing_more() {
     assert_eq!(e.kind, ErrorKind::NonFinite);
     assert!(e.message.contains("an earlier device step could not be collected"), "{e}");
     assert!(s.flush().is_err(), "flush reports it too");
+}
+
+#[test]
+fn with_two_steps_in_flight_a_step_is_accounted_two_steps_later() {
+    let mut s = session(&[1], true);
+    s.set_device(Box::new(HostDevice::new(1, 64, 3)), 2).unwrap();
+    let mut ended = vec![];
+    for k in 0..4usize {
+        let inp = if k == 0 { input(vec![req("a", 12, 0)], vec![], &[("a", 3)]) } else { input(vec![], vec![cached("a", 3 * k)], &[("a", 3)]) };
+        let (b, e) = step(&mut s, inp, &["a"], &[1], true);
+        assert!(b.is_empty());
+        ended.push(e.iter().map(|o| o.step).collect::<Vec<_>>());
+    }
+    assert_eq!(ended, vec![vec![], vec![], vec![1], vec![2]], "step N is accounted when step N + 2 ends");
+    assert_eq!(s.steps_in_flight(), 2);
+    let rest = s.flush().unwrap();
+    assert_eq!(rest.iter().map(|o| o.step).collect::<Vec<_>>(), vec![3, 4]);
+    assert_eq!(rest[1].completed.len(), 1, "the prompt completes with its last step");
+    let e = session(&[1], true).set_device(Box::new(HostDevice::new(1, 64, 2)), 2).unwrap_err();
+    assert!(e.message.contains("at least 3 host buffers"), "{e}");
 }

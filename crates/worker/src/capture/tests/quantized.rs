@@ -27,7 +27,7 @@ fn device_quantized_samples_make_the_same_fp8_files_as_the_host_path() {
         if background {
             dev.set_background(2).unwrap();
         }
-        dev.set_device(Box::new(HostDevice::quantizing(2, 64, 2)), true).unwrap();
+        dev.set_device(Box::new(HostDevice::quantizing(2, 64, 2)), 1).unwrap();
         let (got, sums) = chunked_run(&mut dev, 12, true);
         assert_eq!((got.len(), &sums), (want.len(), &want_sums), "the same samples and step checksums (of the rows)");
         for (h, d) in want.iter().zip(&got) {
@@ -45,10 +45,10 @@ fn device_quantized_samples_make_the_same_fp8_files_as_the_host_path() {
 #[test]
 fn a_quantizing_device_needs_every_slot_on_the_assembling_rank() {
     let mut verifier = session(&[5, 1], false);
-    let e = verifier.set_device(Box::new(HostDevice::quantizing(2, 64, 2)), true).unwrap_err();
+    let e = verifier.set_device(Box::new(HostDevice::quantizing(2, 64, 2)), 1).unwrap_err();
     assert!(e.message.contains("assembling rank"), "{}", e.message);
     let mut s = session(&[5, 1], true);
-    s.set_device(Box::new(HostDevice::quantizing(2, 64, 2)), true).unwrap();
+    s.set_device(Box::new(HostDevice::quantizing(2, 64, 2)), 1).unwrap();
     assert!(s.set_absent_slots(&[1]).unwrap_err().message.contains("quantizes to fp8"));
     // A host tensor cannot join a step the device quantizes.
     let v = vec![0f32; 2 * 4];
@@ -92,7 +92,7 @@ fn a_quantizing_device_keeps_the_writer_the_assembler_hands_samples_to() {
     let wcfg = WriterConfig { threads: 1, queue: 4, pool: Some(s.pool()), keep_records: false };
     let mut writer = Writer::start(seen.clone(), wcfg, s.failure().clone()).unwrap();
     s.set_sink(writer.submitter()).unwrap();
-    s.set_device(Box::new(HostDevice::quantizing(2, 64, 3)), true).unwrap();
+    s.set_device(Box::new(HostDevice::quantizing(2, 64, 3)), 1).unwrap();
     let total = 3;
     s.begin_step(input(vec![req("a", 3, 0)], vec![], &[("a", 3)])).unwrap();
     s.plan(&["a".to_string()]).unwrap();
@@ -157,7 +157,7 @@ fn a_growing_sample_is_quantized_token_by_token_on_the_device() {
     // codes, so decode rows grow the sample by whole tokens.
     let host = grown(&mut session(&[5, 1], true), false);
     let mut s = session(&[5, 1], true);
-    s.set_device(Box::new(HostDevice::quantizing(2, 64, 2)), true).unwrap();
+    s.set_device(Box::new(HostDevice::quantizing(2, 64, 2)), 1).unwrap();
     let dev = grown(&mut s, true);
     assert_eq!((host.rows, dev.rows, &dev.token_ids), (5, 5, &vec![0, 1, 2, 70, 71]));
     let twin = crate::output::fp8::quantize(&host).unwrap();

@@ -197,7 +197,7 @@ fn device_steps_are_assembled_when_the_next_step_begins() {
     let layers = [1usize, 5];
     let mut host = session(&[5, 1], true);
     let mut dev = session(&[5, 1], true);
-    dev.set_device(Box::new(HostDevice::new(2, 64, 1)), false).unwrap();
+    dev.set_device(Box::new(HostDevice::new(2, 64, 1)), 0).unwrap();
     let steps = || {
         vec![
             (input(vec![req("a", 2, 0), req("b", 5, 1)], vec![], &[("a", 2), ("b", 3)]), vec!["b", "a"]),
@@ -370,8 +370,8 @@ fn background_assembly_equals_inline_on_host_and_device_paths() {
     assert_eq!(bg.request_bytes(), bg.held_bytes() - bg.buffers.arena_bytes());
 
     let mut dev = session(&[5, 1], true);
-    dev.set_device(Box::new(HostDevice::new(2, 64, 2)), false).unwrap();
-    assert!(dev.set_device(Box::new(HostDevice::new(2, 64, 2)), false).is_err(), "the device path is enabled once");
+    dev.set_device(Box::new(HostDevice::new(2, 64, 2)), 0).unwrap();
+    assert!(dev.set_device(Box::new(HostDevice::new(2, 64, 2)), 0).is_err(), "the device path is enabled once");
     dev.set_background(2).unwrap();
     let (got, sums) = chunked_run(&mut dev, 12, true);
     assert_eq!(got, want, "device path on the assembler thread: same samples byte for byte");
@@ -379,7 +379,7 @@ fn background_assembly_equals_inline_on_host_and_device_paths() {
 
     // One pinned buffer and the assembler thread: every step waits for the buffer to come back.
     let mut one = session(&[5, 1], true);
-    one.set_device(Box::new(HostDevice::new(2, 64, 1)), false).unwrap();
+    one.set_device(Box::new(HostDevice::new(2, 64, 1)), 0).unwrap();
     one.set_background(2).unwrap();
     let (got, sums) = chunked_run(&mut one, 12, true);
     assert_eq!((got, sums), (want, want_sums), "a ring of one device buffer: slower, the same data");

@@ -30,6 +30,7 @@ def test_the_issue_s_spelling_and_the_shorter_ones():
         ({"shared_storage_path": "/d", "fromat": "fp8"}, "unknown keys \\['fromat'\\]"),
         ({"format": "file"}, "shared_storage_path"),
         ({"shared_storage_path": "  "}, "shared_storage_path"),
+        ({"shared_storage_path": "stage/d"}, "a relative path; expected an absolute one"),
         ({"shared_storage_path": "/d", "format": "parquet"}, "format"),
         ({"shared_storage_path": "/d", "format": "mooncake"}, "writes no files; remove it"),
         ({"shared_storage_path": "/d", "mooncake": {}}, 'set "format": "mooncake" or remove it'),

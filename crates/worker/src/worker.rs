@@ -198,6 +198,9 @@ impl WorkerSession {
             (true, None, None) => Output::Memory(Vec::new()),
             (true, Some(root), _) => {
                 let layout = if out.staging {
+                    std::fs::create_dir_all(root)
+                        .map_err(|e| crate::core_err!(Output, "cannot create the staging directory {}: {e}", root.display()))?;
+                    crate::output::staging::check_flock(root)?;
                     let locks = Arc::new(Locks::new(root, out.slow_disk.clone()));
                     let held = Arc::clone(&locks);
                     session.set_completion_hook(Arc::new(move |req: &str, rows: Option<usize>| held.hold(req, rows)));

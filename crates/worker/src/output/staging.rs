@@ -72,6 +72,47 @@ pub struct Locks {
     pub slow_disk: SlowDisk,
 }
 
+/// Checks that `flock` works in `root` the way speculators' client relies on: two open files of one lock exclude each
+/// other. A filesystem without it (some network filesystems refuse `flock`, or grant it to everyone) would hand a
+/// client a file still being written, so it is refused here, at start-up.
+pub fn check_flock(root: &Path) -> CoreResult<()> {
+    let probe = root.join(format!(".hscapture-flock-probe-{}", std::process::id()));
+    let open = || {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&probe)
+            .map_err(|e| core_err!(Output, "cannot create {}: {e}; the staging directory must exist and be writable", probe.display()))
+    };
+    let result = (|| {
+        let (a, b) = (open()?, open()?);
+        a.lock().map_err(|e| {
+            core_err!(
+                Output,
+                "flock does not work in {} ({e}); expected a local filesystem with flock: speculators' client waits on each file's lock",
+                root.display()
+            )
+        })?;
+        match b.try_lock() {
+            Err(std::fs::TryLockError::WouldBlock) => Ok(()),
+            Ok(()) => Err(core_err!(
+                Output,
+                "flock in {} lets two open files hold one lock at once; expected it to exclude (a network filesystem \
+                 that fakes locks?): a client would read files still being written. Put the staging directory on a \
+                 local filesystem",
+                root.display()
+            )),
+            Err(std::fs::TryLockError::Error(e)) => {
+                Err(core_err!(Output, "flock does not work in {} ({e}); expected a local filesystem with flock", root.display()))
+            }
+        }
+    })();
+    let _ = std::fs::remove_file(&probe);
+    result
+}
+
 impl Locks {
     pub fn new(root: &Path, slow_disk: SlowDisk) -> Locks {
         Locks {
@@ -184,6 +225,15 @@ mod tests {
         let distinct: std::collections::HashSet<_> = names.iter().collect();
         assert_eq!(distinct.len(), names.len(), "distinct ids share a name: {names:?}");
         assert_ne!(file_name("x_1~00"), file_name("x/1"), "a verbatim id never takes a digest name's form");
+    }
+
+    #[test]
+    fn flock_is_checked_where_the_files_go() {
+        let d = tempfile::tempdir().unwrap();
+        check_flock(d.path()).unwrap();
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0, "the probe leaves nothing behind");
+        let e = check_flock(&d.path().join("missing")).unwrap_err();
+        assert!(e.message.contains("must exist and be writable"), "{e}");
     }
 
     #[test]

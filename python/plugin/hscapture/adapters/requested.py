@@ -4,6 +4,7 @@ Read by the connector, the early check in the caller's process and the workers."
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .. import _native
@@ -59,6 +60,11 @@ def settings(vllm_config: Any) -> dict | None:
         raise ConfigError(
             f'{where}["shared_storage_path"] is {path!r}; expected the directory the per-request files are written to '
             "(a path the client sees too)"
+        )
+    if not os.path.isabs(path):
+        raise ConfigError(
+            f'{where}["shared_storage_path"] is {path!r}, a relative path; expected an absolute one: each response names '
+            "the file by this path, and a client reads it from its own working directory, not the server's"
         )
     return {"out": path, "format": FORMATS[fmt], **shorter}
 

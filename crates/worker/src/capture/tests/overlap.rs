@@ -151,7 +151,8 @@ fn with_two_steps_in_flight_a_step_is_accounted_two_steps_later() {
     s.set_device(Box::new(HostDevice::new(1, 64, 3)), 2).unwrap();
     let mut ended = vec![];
     for k in 0..4usize {
-        let inp = if k == 0 { input(vec![req("a", 12, 0)], vec![], &[("a", 3)]) } else { input(vec![], vec![cached("a", 3 * k)], &[("a", 3)]) };
+        let inp =
+            if k == 0 { input(vec![req("a", 12, 0)], vec![], &[("a", 3)]) } else { input(vec![], vec![cached("a", 3 * k)], &[("a", 3)]) };
         let (b, e) = step(&mut s, inp, &["a"], &[1], true);
         assert!(b.is_empty());
         ended.push(e.iter().map(|o| o.step).collect::<Vec<_>>());

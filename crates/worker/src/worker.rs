@@ -25,7 +25,7 @@ use crate::output::format::{by_name, Format};
 use crate::output::record::{Identity, SampleRecord};
 use crate::output::sample::Sample;
 use crate::output::sink::{FileSink, Layout};
-use crate::output::staging::{Locks, SlowDisk};
+use crate::output::staging::{Locks, SlowDisk, Stalled, STALL_DEADLINE};
 use crate::output::store::{ObjectStore, StoreSink};
 use crate::output::writer::{Writer, WriterConfig};
 use crate::{ensure, error::CoreResult};
@@ -303,23 +303,25 @@ impl WorkerSession {
 
     /// Every step accounted so far is agreed on (the ranks' meeting passed): its samples are stored. With
     /// per-request files, then waits while more than the backlog's rows of complete samples wait for their files
-    /// (those of the step still in flight aside): the step's responses go out only once the writer is that close.
-    pub fn release(&mut self) -> CoreResult<()> {
+    /// (those of the step still in flight aside): the step's responses go out only once the writer is that close —
+    /// or once [`STALL_DEADLINE`] passed, which it returns (the caller logs it).
+    pub fn release(&mut self) -> CoreResult<Option<Stalled>> {
         let t = std::time::Instant::now();
         if let Some(upto) = self.accounted {
             self.session.release(upto)?;
             let agreed = std::mem::take(&mut self.pending);
             self.store(agreed)?;
         }
+        let mut stalled = None;
         if let Some(locks) = &self.locks {
             let exempt = if self.session.steps_in_flight() > 0 { self.in_flight_rows } else { 0 };
             let failure = self.session.failure().clone();
             let w = std::time::Instant::now();
-            locks.wait_for_room(self.backlog_rows.saturating_add(exempt), || failure.first())?;
+            stalled = locks.wait_for_room(self.backlog_rows.saturating_add(exempt), STALL_DEADLINE, || failure.first())?;
             self.times.backlog += elapsed_ns(w);
         }
         self.times.release += elapsed_ns(t);
-        Ok(())
+        Ok(stalled)
     }
 
     /// See [`Session::begin_step`].

@@ -52,6 +52,33 @@ impl SlowDisk {
     }
 }
 
+/// How long a release waits for room in the backlog before it reports the files stalled and goes on.
+pub const STALL_DEADLINE: Duration = Duration::from_secs(60);
+
+/// The backlog did not drain within the deadline.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stalled {
+    pub files: usize,
+    pub rows: usize,
+    pub limit: usize,
+    pub waited: Duration,
+}
+
+impl std::fmt::Display for Stalled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} files ({} rows) have waited for the writer {:.0} s past the backlog's {} rows: the disk is full, hung \
+             or slower than the server, or a writer thread stopped (check the disk and the worker's log); answering \
+             anyway, so those requests' clients may time out on their locks",
+            self.files,
+            self.rows,
+            self.waited.as_secs_f64(),
+            self.limit
+        )
+    }
+}
+
 /// A held lock: its file, and the sample's rows once the sample is complete (None while a request that captures
 /// its generated tokens is still generating).
 #[derive(Debug)]
@@ -182,15 +209,28 @@ impl Locks {
     }
 
     /// Waits until at most `limit` rows of complete samples wait for their files, or `stop` says why they never
-    /// will (the capture failed).
-    pub fn wait_for_room(&self, limit: usize, stop: impl Fn() -> Option<crate::CoreError>) -> CoreResult<()> {
+    /// will (the capture failed), or `deadline` passed: then the files are stalled (a full or hung disk, a writer
+    /// that stopped), and the wait gives up, saying so — the server goes on answering (those requests' clients
+    /// time out on their locks) instead of freezing with no word.
+    pub fn wait_for_room(
+        &self,
+        limit: usize,
+        deadline: Duration,
+        stop: impl Fn() -> Option<crate::CoreError>,
+    ) -> CoreResult<Option<Stalled>> {
+        let start = Instant::now();
         let mut held = self.lock();
         loop {
-            if held.values().filter_map(|h| h.rows).sum::<usize>() <= limit {
-                return Ok(());
+            let waiting: usize = held.values().filter_map(|h| h.rows).sum();
+            if waiting <= limit {
+                return Ok(None);
             }
             if let Some(e) = stop() {
                 return Err(e);
+            }
+            if start.elapsed() >= deadline {
+                let files = held.values().filter(|h| h.rows.is_some()).count();
+                return Ok(Some(Stalled { files, rows: waiting, limit, waited: start.elapsed() }));
             }
             held = self.freed.wait_timeout(held, Duration::from_millis(50)).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
         }
@@ -279,17 +319,17 @@ mod tests {
         locks.hold("generating", None).unwrap(); // completes after many steps: never waited for
         locks.hold("a", Some(10)).unwrap();
         locks.hold("b", Some(10)).unwrap();
-        locks.wait_for_room(20, || None).unwrap();
+        locks.wait_for_room(20, STALL_DEADLINE, || None).unwrap();
         let l = std::sync::Arc::clone(&locks);
         let writer = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(100));
             l.release("a");
         });
         let t = Instant::now();
-        locks.wait_for_room(10, || None).unwrap();
+        locks.wait_for_room(10, STALL_DEADLINE, || None).unwrap();
         assert!(t.elapsed() >= Duration::from_millis(90), "waited for a's file");
         writer.join().unwrap();
-        let e = locks.wait_for_room(0, || Some(crate::core_err!(Output, "the writer failed"))).unwrap_err();
+        let e = locks.wait_for_room(0, STALL_DEADLINE, || Some(crate::core_err!(Output, "the writer failed"))).unwrap_err();
         assert!(e.message.contains("the writer failed"), "a failed capture ends the wait: {e}");
     }
 
@@ -308,5 +348,25 @@ mod tests {
         std::fs::remove_file(&hold).unwrap();
         rx.recv_timeout(Duration::from_secs(30)).expect("released once it is removed");
         waiter.join().unwrap();
+    }
+}
+
+#[cfg(test)]
+mod stall_tests {
+    use super::*;
+
+    #[test]
+    fn a_backlog_that_does_not_drain_is_reported_after_the_deadline_not_waited_on_forever() {
+        let d = tempfile::tempdir().unwrap();
+        let locks = Locks::new(d.path(), SlowDisk::default());
+        locks.hold("a", Some(10)).unwrap();
+        assert_eq!(locks.wait_for_room(10, Duration::from_secs(5), || None).unwrap(), None, "within the backlog");
+        let t = Instant::now();
+        let stalled = locks.wait_for_room(4, Duration::from_millis(200), || None).unwrap().expect("stalled");
+        assert!(t.elapsed() >= Duration::from_millis(200) && t.elapsed() < Duration::from_secs(5));
+        assert_eq!((stalled.files, stalled.rows, stalled.limit), (1, 10, 4));
+        assert!(stalled.to_string().contains("the disk is full, hung"), "{stalled}");
+        let e = locks.wait_for_room(4, Duration::from_secs(60), || Some(core_err!(Output, "the writer failed")));
+        assert!(e.is_err(), "a failed capture ends the wait at once");
     }
 }

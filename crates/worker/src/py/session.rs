@@ -225,11 +225,12 @@ impl CaptureSession {
     }
 
     /// Every step accounted so far is agreed on by the ranks (their meeting passed): its samples are stored.
-    /// Samples of steps never released are never written.
-    fn release(&mut self, py: Python<'_>) -> PyResult<()> {
+    /// Samples of steps never released are never written. With per-request files, returns why the release stopped
+    /// waiting for the writer (the files stalled past the deadline), None otherwise.
+    fn release(&mut self, py: Python<'_>) -> PyResult<Option<String>> {
         guard("release", || {
             let inner = &mut self.inner;
-            Ok(py.detach(|| inner.release())?)
+            Ok(py.detach(|| inner.release())?.map(|s| s.to_string()))
         })
     }
 

@@ -124,7 +124,9 @@ class WorkerCapture:
         """``call`` (a session call that accounts steps) at a meeting of the TP ranks; once it passed, every step
         accounted so far is agreed on, and only then are its samples stored (``release``)."""
         outcomes = self.sync.meet(what, call)
-        self._recorded(self.session.release)
+        stalled = self._recorded(self.session.release)
+        if stalled:
+            log.warning("hscapture: %s", stalled)
         return outcomes
 
     def begin(self, scheduler_output: Any) -> None:

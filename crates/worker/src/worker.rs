@@ -207,6 +207,10 @@ impl WorkerSession {
                     // A refused sample (degenerate states) never gets a file: its client finds none, and does not wait.
                     let refused = Arc::clone(&locks);
                     session.set_refusal_hook(Arc::new(move |r: &Refusal| refused.abandon(&r.req_id)));
+                    // A failed capture writes none of the files its locks promise: every lock goes at once, on the
+                    // thread that failed (the writer's, the assembler's or the worker's), idle server or not.
+                    let failed = Arc::clone(&locks);
+                    session.failure().on_failure(Box::new(move || failed.abandon_all()));
                     staged = Some(Arc::clone(&locks));
                     Layout::Staging(locks)
                 } else {

@@ -193,6 +193,16 @@ impl Locks {
         self.freed.notify_all();
     }
 
+    /// Gives up every lock this process holds and removes their lock files: the capture failed, so none of their
+    /// files will be written; a client waiting for one finds no file (an error), never a lock held for ever.
+    pub fn abandon_all(&self) {
+        let held: Vec<String> = self.lock().drain().map(|(id, _)| id).collect();
+        for id in held {
+            let _ = std::fs::remove_file(lock_path(&self.root.join(file_name(&id))));
+        }
+        self.freed.notify_all();
+    }
+
     pub fn held(&self) -> usize {
         self.lock().len()
     }

@@ -345,3 +345,35 @@ fn a_staged_request_with_degenerate_states_gives_up_its_lock_at_once() {
     assert!(!lock.exists() && !d.path().join("bad.safetensors").exists(), "the client finds neither file nor lock");
     w.finish().unwrap();
 }
+
+#[test]
+fn a_failed_write_gives_up_every_lock_the_server_holds() {
+    // Before, only a completed write or an abort released a lock: after a writer failure, every other request's lock
+    // stayed held for as long as the process lived, and its client waited on it. Now the first failure gives them up.
+    let d = tempfile::tempdir().unwrap();
+    let mut o = out(Some(d.path().into()));
+    (o.staging, o.format) = (true, "hscapture".into());
+    let mut w = WorkerSession::new(cfg(true), o).unwrap();
+    std::fs::create_dir(d.path().join("r0.safetensors")).unwrap(); // r0's file cannot be renamed into place
+                                                                   // r9 captures its generated tokens: its lock is held from its first step, its file comes when it finishes.
+    let mut opened = whole_prompt("r9", vec![7, 8], None);
+    opened.with_outputs = vec!["r9".into()];
+    opened.new_requests.extend(whole_prompt("r0", vec![1, 2, 3], None).new_requests);
+    opened.num_scheduled = vec![("r9".into(), 2), ("r0".into(), 3)];
+    opened.total_tokens = 5;
+    w.begin_step(opened).unwrap();
+    w.plan(&["r9".to_string(), "r0".to_string()], None).unwrap();
+    let h: Vec<f32> = (0..10).map(|i| i as f32 + 0.5).collect();
+    let t = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![5, 2], strides: vec![2, 1], dtype: DType::F32, device: Device::Cpu };
+    // SAFETY: `h` lives for the call and nobody writes it.
+    unsafe { w.capture(0, None, &t, None, 0).unwrap() };
+    w.end_step().unwrap();
+    assert!(d.path().join("r9.safetensors.lock").exists());
+    let _ = w.release(); // r0 goes to the writer, whose rename fails
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while d.path().join("r9.safetensors.lock").exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5)); // no later call into the session
+    }
+    assert!(!d.path().join("r9.safetensors.lock").exists(), "r9's client finds no lock (an error), never a wait");
+    assert!(w.finish().is_err(), "the write's failure is the capture's");
+}

@@ -22,10 +22,11 @@ use crate::capture::tensor::TensorDesc;
 use crate::failure::Failure;
 use crate::output::atomic::Durability;
 use crate::output::format::{by_name, Format};
+use crate::output::janitor;
 use crate::output::record::{Identity, SampleRecord};
 use crate::output::sample::Sample;
 use crate::output::sink::{FileSink, Layout};
-use crate::output::staging::{Locks, SlowDisk, Stalled, STALL_DEADLINE};
+use crate::output::staging::{Locks, SlowDisk, STALL_DEADLINE};
 use crate::output::store::{ObjectStore, StoreSink};
 use crate::output::writer::{Writer, WriterConfig};
 use crate::{ensure, error::CoreResult};
@@ -125,6 +126,12 @@ pub struct WorkerSession {
     accounted: Option<u64>,
     /// Where the worker's thread spent its time in the core.
     pub times: CallTimes,
+    /// Per-request files: when the process started (error records older than that are an earlier run's) and when
+    /// the staging directory was last swept.
+    started: std::time::SystemTime,
+    swept: Option<std::time::Instant>,
+    /// What the caller should log: stalls, sweeps.
+    notes: Vec<String>,
 }
 
 /// Nanoseconds a worker's thread spent in each call of the step protocol, summed over the run (`stats()`): the host
@@ -237,7 +244,31 @@ impl WorkerSession {
             pending: Vec::new(),
             accounted: None,
             times: CallTimes::default(),
+            started: std::time::SystemTime::now(),
+            swept: None,
+            notes: Vec::new(),
         })
+    }
+
+    /// Per-request files: sweeps the staging directory when the last sweep is [`janitor::SWEEP_EVERY`] old (the first
+    /// call sweeps at once); what it removed becomes a note.
+    fn sweep(&mut self) {
+        let (Some(locks), Output::Files(_)) = (&self.locks, &self.output) else {
+            return;
+        };
+        if self.swept.is_some_and(|t| t.elapsed() < janitor::SWEEP_EVERY) {
+            return;
+        }
+        self.swept = Some(std::time::Instant::now());
+        let swept = janitor::sweep(locks.root(), janitor::COLLECT_WITHIN, self.started);
+        if !swept.is_empty() {
+            self.notes.push(format!("staging directory {}: {swept}", locks.root().display()));
+        }
+    }
+
+    /// What happened since the last call that the caller should log (a stalled writer, a sweep).
+    pub fn take_notes(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.notes)
     }
 
     pub fn session(&self) -> &Session {
@@ -308,8 +339,8 @@ impl WorkerSession {
     /// Every step accounted so far is agreed on (the ranks' meeting passed): its samples are stored. With
     /// per-request files, then waits while more than the backlog's rows of complete samples wait for their files
     /// (those of the step still in flight aside): the step's responses go out only once the writer is that close —
-    /// or once [`STALL_DEADLINE`] passed, which it returns (the caller logs it).
-    pub fn release(&mut self) -> CoreResult<Option<Stalled>> {
+    /// or once [`STALL_DEADLINE`] passed, which becomes a note (`take_notes`).
+    pub fn release(&mut self) -> CoreResult<()> {
         let t = std::time::Instant::now();
         if let Some(upto) = self.accounted {
             self.session.release(upto)?;
@@ -324,13 +355,17 @@ impl WorkerSession {
             stalled = locks.wait_for_room(self.backlog_rows.saturating_add(exempt), STALL_DEADLINE, || failure.first())?;
             self.times.backlog += elapsed_ns(w);
         }
+        if let Some(s) = stalled {
+            self.notes.push(s.to_string());
+        }
         self.times.release += elapsed_ns(t);
-        Ok(stalled)
+        Ok(())
     }
 
     /// See [`Session::begin_step`].
     pub fn begin_step(&mut self, input: StepInput) -> CoreResult<Vec<StepReport>> {
         let t = std::time::Instant::now();
+        self.sweep();
         let outs = self.session.begin_step(input)?;
         let r = self.route(outs, false);
         self.times.begin_step += elapsed_ns(t);

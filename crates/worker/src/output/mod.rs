@@ -3,7 +3,7 @@
 //! - [`format`]: the one interface of a stored layout ([`safetensors`], [`fp8`], [`legacy`] over [`zip`]), with
 //!   [`compress`];
 //! - [`sink`]: where encoded samples go (files, atomically, each journaled), and [`staging`]: per-request files
-//!   for a client that collects them;
+//!   for a client that collects them, which [`janitor`] sweeps;
 //! - [`store`]: samples as objects in an object store (Mooncake), packed as [`packed`] says;
 //! - [`writer`]: the threads that feed a sink, behind a bounded queue;
 //! - [`atomic`], [`journal`], [`manifest`], [`record`]: files that appear whole, and what they list;
@@ -17,6 +17,7 @@ pub mod degenerate;
 pub mod dirlock;
 pub mod format;
 pub mod fp8;
+pub mod janitor;
 pub mod journal;
 pub mod legacy;
 pub mod manifest;

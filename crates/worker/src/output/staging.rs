@@ -151,6 +151,11 @@ impl Locks {
         }
     }
 
+    /// The staging directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Held>> {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }

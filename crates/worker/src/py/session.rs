@@ -225,13 +225,18 @@ impl CaptureSession {
     }
 
     /// Every step accounted so far is agreed on by the ranks (their meeting passed): its samples are stored.
-    /// Samples of steps never released are never written. With per-request files, returns why the release stopped
-    /// waiting for the writer (the files stalled past the deadline), None otherwise.
-    fn release(&mut self, py: Python<'_>) -> PyResult<Option<String>> {
+    /// Samples of steps never released are never written.
+    fn release(&mut self, py: Python<'_>) -> PyResult<()> {
         guard("release", || {
             let inner = &mut self.inner;
-            Ok(py.detach(|| inner.release())?.map(|s| s.to_string()))
+            Ok(py.detach(|| inner.release())?)
         })
+    }
+
+    /// What happened since the last call that the worker should log: a stalled writer (per-request files past the
+    /// backlog's deadline), what a sweep of the staging directory removed.
+    fn take_notes(&mut self) -> PyResult<Vec<String>> {
+        guard("take_notes", || Ok(self.inner.take_notes()))
     }
 
     /// Copies rows into per-request buffers on a thread of its own (a ring of `ring` step buffers).

@@ -377,3 +377,23 @@ fn a_failed_write_gives_up_every_lock_the_server_holds() {
     assert!(!d.path().join("r9.safetensors.lock").exists(), "r9's client finds no lock (an error), never a wait");
     assert!(w.finish().is_err(), "the write's failure is the capture's");
 }
+
+#[test]
+fn a_server_sweeps_what_no_client_collected_and_says_so() {
+    let d = tempfile::tempdir().unwrap();
+    let old = d.path().join("gone-client.safetensors");
+    std::fs::write(&old, b"x").unwrap();
+    let t = std::time::SystemTime::now() - crate::output::janitor::COLLECT_WITHIN - std::time::Duration::from_secs(1);
+    std::fs::File::options().write(true).open(&old).unwrap().set_modified(t).unwrap();
+    let mut o = out(Some(d.path().into()));
+    (o.staging, o.format) = (true, "hscapture".into());
+    let mut w = WorkerSession::new(cfg(true), o).unwrap();
+    step(&mut w, 0);
+    assert!(!old.exists(), "an uncollected file older than the collection time is removed");
+    let notes = w.take_notes();
+    assert!(notes.len() == 1 && notes[0].contains("removed 1 files no client collected"), "{notes:?}");
+    step(&mut w, 1);
+    assert!(w.take_notes().is_empty(), "the next sweep waits for its interval");
+    assert!(d.path().join("r1.safetensors").exists() || d.path().join("r1.safetensors.lock").exists());
+    w.finish().unwrap();
+}

@@ -124,9 +124,9 @@ class WorkerCapture:
         """``call`` (a session call that accounts steps) at a meeting of the TP ranks; once it passed, every step
         accounted so far is agreed on, and only then are its samples stored (``release``)."""
         outcomes = self.sync.meet(what, call)
-        stalled = self._recorded(self.session.release)
-        if stalled:
-            log.warning("hscapture: %s", stalled)
+        self._recorded(self.session.release)
+        for note in self.session.take_notes():  # a stalled writer, a sweep of the staging directory
+            log.warning("hscapture: %s", note)
         return outcomes
 
     def begin(self, scheduler_output: Any) -> None:

@@ -51,6 +51,7 @@ fn run(out: PathBuf, background: bool, steps: usize, fwd: Duration, reqs: usize,
         durability: hscapture_worker::output::atomic::Durability::Rename,
         staging: false,
         staging_backlog: 0,
+        staging_collect: hscapture_worker::output::janitor::COLLECT_WITHIN,
         slow_disk: Default::default(),
         store: None,
     };

@@ -52,6 +52,8 @@ pub struct OutputSettings {
     /// are released (the worker waits for the writer beyond it), so that a response's file follows it within the
     /// time this backlog takes to write — clients give up waiting for a lock (speculators after 10 s).
     pub staging_backlog: u64,
+    /// Per-request files: how long a client has to collect its file before a sweep removes it.
+    pub staging_collect: std::time::Duration,
     /// Tests only: per-request files are written late (`staging.rs`).
     pub slow_disk: SlowDisk,
     /// Samples go to this object store as packed objects (`output/store.rs`) instead of files.
@@ -71,6 +73,7 @@ impl OutputSettings {
             durability: Durability::Rename,
             staging: false,
             staging_backlog: 0,
+            staging_collect: janitor::COLLECT_WITHIN,
             slow_disk: SlowDisk::default(),
             store: None,
         }
@@ -126,9 +129,10 @@ pub struct WorkerSession {
     accounted: Option<u64>,
     /// Where the worker's thread spent its time in the core.
     pub times: CallTimes,
-    /// Per-request files: when the process started (error records older than that are an earlier run's) and when
-    /// the staging directory was last swept.
+    /// Per-request files: when the process started (error records older than that are an earlier run's), how long
+    /// a client has to collect a file, and when the staging directory was last swept.
     started: std::time::SystemTime,
+    collect_within: std::time::Duration,
     swept: Option<std::time::Instant>,
     /// What the caller should log: stalls, sweeps.
     notes: Vec<String>,
@@ -245,6 +249,7 @@ impl WorkerSession {
             accounted: None,
             times: CallTimes::default(),
             started: std::time::SystemTime::now(),
+            collect_within: out.staging_collect,
             swept: None,
             notes: Vec::new(),
         })
@@ -260,7 +265,7 @@ impl WorkerSession {
             return;
         }
         self.swept = Some(std::time::Instant::now());
-        let swept = janitor::sweep(locks.root(), janitor::COLLECT_WITHIN, self.started);
+        let swept = janitor::sweep(locks.root(), self.collect_within, self.started);
         if !swept.is_empty() {
             self.notes.push(format!("staging directory {}: {swept}", locks.root().display()));
         }

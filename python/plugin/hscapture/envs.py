@@ -141,6 +141,14 @@ REGISTRY: dict[str, EnvVar] = {
             "write (speculators' client gives up waiting for a file's lock after 10 s).",
         ),
         EnvVar(
+            "HSCAPTURE_STAGING_COLLECT_S",
+            "int",
+            "600",
+            "KV connector: seconds a client has to collect its file (speculators' client moves it at once); a sweep of "
+            "the staging directory (every 30 s) removes older files, lock files and stray partial files that no "
+            "process holds, and logs what it removed.",
+        ),
+        EnvVar(
             "HSCAPTURE_ASSEMBLY",
             "str",
             "background",

@@ -44,7 +44,7 @@ fn durability(durable: Option<&Bound<'_, PyAny>>) -> PyResult<Durability> {
 #[pymethods]
 impl Output {
     #[new]
-    #[pyo3(signature = (out_dir=None, *, format="hscapture".to_string(), writer_threads=4, writer_queue=8, durable=None, compress=None, model=String::new(), staging=false, staging_backlog_mib=2048, store=None))]
+    #[pyo3(signature = (out_dir=None, *, format="hscapture".to_string(), writer_threads=4, writer_queue=8, durable=None, compress=None, model=String::new(), staging=false, staging_backlog_mib=2048, staging_collect_s=600, store=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         out_dir: Option<PathBuf>,
@@ -56,6 +56,7 @@ impl Output {
         model: String,
         staging: bool,
         staging_backlog_mib: u64,
+        staging_collect_s: u64,
         store: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         guard("Output()", || {
@@ -73,6 +74,7 @@ impl Output {
                 durability,
                 staging,
                 staging_backlog,
+                staging_collect: std::time::Duration::from_secs(staging_collect_s),
                 slow_disk: SlowDisk::default(),
                 store: store.map(|client| StoreHandle(Arc::new(PyStore::new(client)))),
             };

@@ -25,6 +25,7 @@ fn out(root: Option<PathBuf>) -> OutputSettings {
         durability: crate::output::atomic::Durability::Rename,
         staging: false,
         staging_backlog: 1 << 30,
+        staging_collect: crate::output::janitor::COLLECT_WITHIN,
         slow_disk: Default::default(),
         store: None,
     }

@@ -35,6 +35,16 @@ def _staging_backlog_mib() -> int:
     return mib
 
 
+def _staging_collect_s() -> int:
+    secs = envs.get("HSCAPTURE_STAGING_COLLECT_S")
+    if secs < 10:
+        raise ConfigError(
+            f"HSCAPTURE_STAGING_COLLECT_S={secs} is not valid: expected at least 10 seconds (speculators' client waits "
+            "up to 10 s for a file's lock before it reads the file)"
+        )
+    return secs
+
+
 def assembly_ring() -> int:
     """Step buffers for background assembly (``HSCAPTURE_ASSEMBLY``, ``HSCAPTURE_HOST_RING``); 0 = inline."""
     mode = envs.get("HSCAPTURE_ASSEMBLY")
@@ -75,6 +85,7 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         model=cfg.model_name or model,
         staging=cfg.staging,
         staging_backlog_mib=_staging_backlog_mib(),
+        staging_collect_s=_staging_collect_s(),
         store=store,
     )
     if cfg.staging and (envs.get("HSCAPTURE_TEST_STAGING_DELAY_MS") > 0 or envs.get("HSCAPTURE_TEST_STAGING_HOLD")):

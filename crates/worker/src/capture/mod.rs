@@ -6,7 +6,8 @@
 //! - [`step_buffers`]: the step buffers (a ring of CPU arenas) and where rows are scattered;
 //! - [`device_steps`]: device steps in flight behind a [`device::DeviceBackend`] ([`cuda`] on CUDA), and
 //!   [`stamps`]: what an armed step's stamps prove about its forward (CUDA graphs included);
-//! - [`scatter`] and [`assembler`]: rows copied into per-request samples, inline or on a thread;
+//! - [`scatter`] and [`assembler`]: rows copied into per-request samples, inline or on a thread; [`refusals`]: the
+//!   samples refused for degenerate states, each failing alone;
 //! - [`stage_exchange`]: a step's rows sent to / received from another pipeline stage;
 //! - [`arena`], [`rows`], [`tensor`]: a step's rows in host memory, and tensors from the caller.
 
@@ -18,6 +19,7 @@ pub mod cuda;
 pub mod device;
 pub mod device_steps;
 pub mod protocol;
+pub mod refusals;
 pub mod rows;
 pub mod scatter;
 pub mod session;

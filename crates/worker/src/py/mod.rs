@@ -7,6 +7,7 @@ mod facts;
 mod functions;
 mod output;
 mod session;
+mod stats;
 mod store;
 mod tensor;
 

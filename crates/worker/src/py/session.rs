@@ -393,33 +393,7 @@ impl CaptureSession {
     /// Running totals: steps, rows, samples, aborted, skipped, live_requests, held_bytes, and the nanoseconds the
     /// worker's thread spent in each call (`ns_*`).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        guard("stats", || {
-            let s = self.inner.session();
-            let st = s.stats();
-            let d = PyDict::new(py);
-            d.set_item("steps", st.steps)?;
-            d.set_item("rows", st.rows)?;
-            d.set_item("samples", st.samples)?;
-            d.set_item("aborted", st.aborted)?;
-            d.set_item("skipped", st.skipped)?;
-            d.set_item("live_requests", s.tracker().live_requests())?;
-            d.set_item("held_bytes", s.held_bytes())?;
-            // Where the worker's thread spent its time in the core (nanoseconds, summed over the run).
-            let t = self.inner.times;
-            for (k, v) in [
-                ("ns_begin_step", t.begin_step),
-                ("ns_plan", t.plan),
-                ("ns_capture", t.capture),
-                ("ns_end_step", t.end_step),
-                ("ns_release", t.release),
-                ("ns_wait_backlog", t.backlog),
-                ("ns_wait_ring", st.wait_ring_ns),
-                ("ns_wait_copies", st.wait_copies_ns),
-            ] {
-                d.set_item(k, v)?;
-            }
-            Ok(d)
-        })
+        guard("stats", || super::stats::stats(py, &self.inner))
     }
 }
 

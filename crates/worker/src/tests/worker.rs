@@ -3,6 +3,7 @@ use crate::attribution::layers::{Convention, LayerPlan};
 use crate::attribution::plan::NewRequest;
 use crate::capture::tensor::Device;
 use hscapture_kernels::DType;
+use std::path::PathBuf;
 
 fn cfg(assemble: bool) -> SessionConfig {
     SessionConfig {

@@ -11,7 +11,6 @@
 //! Shutdown order: the assembler thread hands its last samples over and drops its submitter before
 //! the writer finishes (the writer's threads stop only once every submitter is gone).
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::attribution::plan::StepInput;
@@ -20,78 +19,22 @@ use crate::capture::scatter::Refusal;
 use crate::capture::session::{Aborted, Session, SessionConfig, StepOutcome};
 use crate::capture::tensor::TensorDesc;
 use crate::failure::Failure;
-use crate::output::atomic::Durability;
-use crate::output::format::{by_name, Format};
+use crate::output::format::by_name;
 use crate::output::janitor;
-use crate::output::record::{Identity, SampleRecord};
+use crate::output::record::SampleRecord;
 use crate::output::sample::Sample;
 use crate::output::sink::{FileSink, Layout};
-use crate::output::staging::{Locks, SlowDisk, STALL_DEADLINE};
-use crate::output::store::{ObjectStore, StoreSink};
+use crate::output::staging::{Locks, STALL_DEADLINE};
+use crate::output::store::StoreSink;
 use crate::output::writer::{Writer, WriterConfig};
 use crate::{ensure, error::CoreResult};
 
-/// Where and how a worker's samples are stored.
-#[derive(Clone, Debug)]
-pub struct OutputSettings {
-    /// The output root; None keeps completed samples in memory (`take_samples`).
-    pub root: Option<PathBuf>,
-    /// The sample format (`format.rs`).
-    pub format: String,
-    /// zstd level of the `hscapture` format's compression.
-    pub compress: Option<i32>,
-    /// The model as the capture's identity names it.
-    pub model: String,
-    pub threads: usize,
-    pub queue: usize,
-    /// How far each file is pushed to disk (`atomic.rs`): fsync'd, written back after its hand-over, or renamed only.
-    pub durability: Durability,
-    /// Per-request files for a collecting client (`staging.rs`) instead of a capture directory.
-    pub staging: bool,
-    /// Per-request files: at most this many bytes of complete samples wait for their files when a step's samples
-    /// are released (the worker waits for the writer beyond it), so that a response's file follows it within the
-    /// time this backlog takes to write — clients give up waiting for a lock (speculators after 10 s).
-    pub staging_backlog: u64,
-    /// Per-request files: how long a client has to collect its file before a sweep removes it.
-    pub staging_collect: std::time::Duration,
-    /// Tests only: per-request files are written late (`staging.rs`).
-    pub slow_disk: SlowDisk,
-    /// Samples go to this object store as packed objects (`output/store.rs`) instead of files.
-    pub store: Option<StoreHandle>,
-}
+mod settings;
+mod times;
 
-impl OutputSettings {
-    /// Completed samples kept in memory (`take_samples`): nothing is written.
-    pub fn in_memory() -> OutputSettings {
-        OutputSettings {
-            root: None,
-            format: "hscapture".into(),
-            compress: None,
-            model: String::new(),
-            threads: 1,
-            queue: 1,
-            durability: Durability::Rename,
-            staging: false,
-            staging_backlog: 0,
-            staging_collect: janitor::COLLECT_WITHIN,
-            slow_disk: SlowDisk::default(),
-            store: None,
-        }
-    }
-}
-
-/// An object store's client, as settings carry it.
-#[derive(Clone)]
-pub struct StoreHandle(pub Arc<dyn ObjectStore>);
-
-impl std::fmt::Debug for StoreHandle {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("StoreHandle")
-    }
-}
-
-/// The name a capture into an object store goes by (the packed layout is not a file format).
-pub const STORE_FORMAT: &str = "mooncake";
+pub use settings::{identity, OutputSettings, StoreHandle, STORE_FORMAT};
+use times::elapsed_ns;
+pub use times::CallTimes;
 
 /// What a step's accounting reports to the caller.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -136,36 +79,6 @@ pub struct WorkerSession {
     swept: Option<std::time::Instant>,
     /// What the caller should log: stalls, sweeps.
     notes: Vec<String>,
-}
-
-/// Nanoseconds a worker's thread spent in each call of the step protocol, summed over the run (`stats()`): the host
-/// work a step costs, measured where it is spent. `backlog`: the part of `release` spent waiting for the writer
-/// (per-request files).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct CallTimes {
-    pub begin_step: u64,
-    pub plan: u64,
-    pub capture: u64,
-    pub end_step: u64,
-    pub release: u64,
-    pub backlog: u64,
-}
-
-fn elapsed_ns(t: std::time::Instant) -> u64 {
-    u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX)
-}
-
-/// The identity of a capture of `cfg` stored in `format` as `out` says.
-pub fn identity(cfg: &SessionConfig, out: &OutputSettings, format: &dyn Format) -> Identity {
-    Identity {
-        format: format.name().into(),
-        model: out.model.clone(),
-        layer_ids: cfg.layers.ids.clone(),
-        convention: cfg.layers.convention.name().into(),
-        dtype: format.stored_dtype(cfg.out_dtype).into(),
-        hidden_size: cfg.hidden_size,
-        num_hidden_layers: cfg.layers.num_hidden_layers,
-    }
 }
 
 impl WorkerSession {
@@ -481,5 +394,5 @@ impl WorkerSession {
 }
 
 #[cfg(test)]
-#[path = "tests/worker.rs"]
+#[path = "../tests/worker.rs"]
 mod tests;

@@ -1,0 +1,35 @@
+//! A worker's running totals as the dict `CaptureSession.stats()` returns (soaks, dashboards, benchmarks).
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::worker::WorkerSession;
+
+/// steps, rows, samples, aborted, skipped, live_requests, held_bytes; and the nanoseconds the worker's thread spent
+/// in each call of the step protocol (`ns_*`, summed over the run), waits included.
+pub fn stats<'py>(py: Python<'py>, w: &WorkerSession) -> PyResult<Bound<'py, PyDict>> {
+    let s = w.session();
+    let st = s.stats();
+    let d = PyDict::new(py);
+    d.set_item("steps", st.steps)?;
+    d.set_item("rows", st.rows)?;
+    d.set_item("samples", st.samples)?;
+    d.set_item("aborted", st.aborted)?;
+    d.set_item("skipped", st.skipped)?;
+    d.set_item("live_requests", s.tracker().live_requests())?;
+    d.set_item("held_bytes", s.held_bytes())?;
+    let t = w.times;
+    for (k, v) in [
+        ("ns_begin_step", t.begin_step),
+        ("ns_plan", t.plan),
+        ("ns_capture", t.capture),
+        ("ns_end_step", t.end_step),
+        ("ns_release", t.release),
+        ("ns_wait_backlog", t.backlog),
+        ("ns_wait_ring", st.wait_ring_ns),
+        ("ns_wait_copies", st.wait_copies_ns),
+    ] {
+        d.set_item(k, v)?;
+    }
+    Ok(d)
+}

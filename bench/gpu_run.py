@@ -53,7 +53,17 @@ if __name__ == "__main__":
         os.environ["HSCAPTURE_DEVICE_OVERLAP"] = "0"
     if mode == "hscapture_fp8_host":  # fp8 files quantized in the writer threads instead of on the GPU
         os.environ["HSCAPTURE_FP8_ON_DEVICE"] = "0"
-    if mode.startswith("hscapture") and decode:  # prompt and response through the KV connector, as a server does
+    # With DECODE, bisecting modes: *_prompt* keeps the connector but asks for the prompt only (no
+    # include_output_tokens); *_offline* has no connector (the offline writer, prompt rows only).
+    connector = mode.startswith("hscapture") and decode and "_offline" not in mode
+    outputs = connector and "_prompt" not in mode
+    if os.environ.get("HSBENCH_TORCH_PROFILE"):  # vLLM's torch profiler over one extra batch after the timed rounds
+        kw["profiler_config"] = {
+            "profiler": "torch",
+            "torch_profiler_dir": os.path.join(os.environ["HSBENCH_TORCH_PROFILE"], mode),
+            "torch_profiler_with_stack": False,
+        }
+    if connector:  # prompt and response through the KV connector, as a server does
         from vllm.config import KVTransferConfig
 
         kw["worker_cls"] = "hscapture.worker.CaptureWorker"
@@ -94,6 +104,13 @@ if __name__ == "__main__":
             "kv_connector_extra_config": {"shared_storage_path": out},
         }
         kw["enable_chunked_prefill"] = False
+    prof = os.environ.get("HSBENCH_PROFILE")
+    if prof:  # each mode's processes write their stack samples under their own folder
+        os.environ["HSBENCH_PROFILE"] = os.path.join(prof, mode)
+        os.makedirs(os.environ["HSBENCH_PROFILE"], exist_ok=True)
+        for d in (prof, os.environ["HSBENCH_PROFILE"]):
+            if os.path.exists(os.path.join(d, "start")):
+                os.unlink(os.path.join(d, "start"))
     llm = LLM(**kw)
     cfg = json.load(open(os.path.join(model, "config.json")))
     rng = random.Random(0)
@@ -101,7 +118,7 @@ if __name__ == "__main__":
         {"prompt_token_ids": [rng.randrange(10, cfg["vocab_size"]) for _ in range(length)]} for _ in range(n_prompts)
     ]
     capture = mode.startswith("hscapture")
-    extra = {"kv_transfer_params": {"include_output_tokens": True}} if capture and decode else None
+    extra = {"kv_transfer_params": {"include_output_tokens": True}} if outputs else None
     sp = SamplingParams(max_tokens=max(decode, 1), detokenize=False, ignore_eos=True, temperature=0.0, extra_args=extra)
 
     def run_round():
@@ -109,11 +126,14 @@ if __name__ == "__main__":
             llm.generate(prompts[b : b + batch], sp, use_tqdm=False)
 
     def clear():  # the connector's files: read by nobody here; removed so that disk space stays flat
-        if capture and decode:
+        if connector:
             for f in os.listdir(out):
                 os.unlink(os.path.join(out, f))
 
     llm.generate(prompts[:batch], sp, use_tqdm=False)  # warm-up
+    if prof:  # the stack samplers (bench/profile) start now, after start-up and warm-up
+        for d in (prof, os.environ["HSBENCH_PROFILE"]):
+            open(os.path.join(d, "start"), "w").close()
     if capture:
         llm.collective_rpc("hscapture_drain")
         clear()
@@ -129,6 +149,13 @@ if __name__ == "__main__":
             parts.append(res[0].get("seconds") if res else None)
         per.append(time.perf_counter() - t0)
         drains.append(time.perf_counter() - t1)  # the run's tail: the last step's copy, assembly and writes
+        clear()
+    if os.environ.get("HSBENCH_TORCH_PROFILE"):  # after the timed rounds: its overhead changes no figure above
+        llm.start_profile()
+        llm.generate(prompts[:batch], sp, use_tqdm=False)
+        llm.stop_profile()  # the table of CUDA time per kernel: <dir>/<mode>/profiler_out_0.txt
+        if capture:
+            llm.collective_rpc("hscapture_drain")
         clear()
     info = {
         "mode": mode,

@@ -6,8 +6,9 @@ speculators' clients send them; after each ``generate`` the driver does what the
 lock, reads it, removes it) under a deadline, so a file that never appears fails the test instead of hanging it.
 
 Every file is checked against hscapture's offline capture of the same prompts with one request per step
-(``max_num_seqs=1`` on both sides: the same steps, so the same bits): ``file`` equal bit for bit, ``fp8`` equal to
-speculators' ``quantize_tensor_to_fp8`` of those states bit for bit. A second run with requests sharing steps
+(``max_num_seqs=1`` on both sides: the same steps): ``file`` within float32 noise (two engines compiled apart may
+sum in another order; bit-equal samples are counted), ``fp8`` within fp8's rounding of speculators'
+``quantize_tensor_to_fp8`` of those states, with 99.9 % of its codes equal. A second run with requests sharing steps
 (16 per ``generate``, fp8 on the device) checks every file whole, in time, and within fp8's rounding of the same states.
 Prompt and response captured in one pass (``include_output_tokens``, decode replayed from FULL CUDA graphs) equal
 HF transformers on the same tokens, and change no generated token."""
@@ -136,20 +137,44 @@ def offline(tmp_path_factory, tiny_model):
 def test_connector_files_equal_the_offline_capture(tmp_path, offline, fmt, env):
     from safetensors.torch import load_file
 
+    from hscapture.testing.compare import compare
+
     model, want = offline
     keep = _drive(tmp_path, model, fmt, env, seqs=1, name=fmt)
     prompts = _prompts()
     q = _fp8_utils() if fmt == "fp8" else None
+    got, ref, same, codes_same, codes_all = [], [], 0, 0, 0
     for i, p in enumerate(prompts):
         t = load_file(keep / f"{i}.safetensors")
         assert t["token_ids"].tolist() == p, f"prompt {i}: token ids"
         if q is None:
-            assert torch.equal(t["hidden_states"], want[i]), f"prompt {i}: differs from the offline capture"
+            assert t["hidden_states"].dtype == want[i].dtype and t["hidden_states"].shape == want[i].shape, (
+                f"prompt {i}"
+            )
+            same += int(torch.equal(t["hidden_states"], want[i]))
+            got.append(t["hidden_states"])
+            ref.append(want[i])
             continue
         codes, scales = q.quantize_tensor_to_fp8(want[i])
         assert t["hidden_states"].dtype == torch.float8_e4m3fn and tuple(t["hidden_states"].shape) == tuple(codes.shape)
-        assert torch.equal(t["hidden_states"].view(torch.uint8), codes.view(torch.uint8)), f"prompt {i}: fp8 codes"
-        assert torch.equal(t["hidden_states_scales"].reshape(-1), scales.reshape(-1).float()), f"prompt {i}: scales"
+        same += int(torch.equal(t["hidden_states"].view(torch.uint8), codes.view(torch.uint8)))
+        codes_same += int((t["hidden_states"].view(torch.uint8) == codes.view(torch.uint8)).sum())
+        codes_all += codes.numel()
+        got.append(t["hidden_states"].to(torch.float32) * t["hidden_states_scales"].to(torch.float32))
+        ref.append(codes.to(torch.float32) * scales.float())
+    # Two engines compile the model separately (the connector is part of vLLM's compile-cache key), and Inductor's
+    # autotuned reductions may sum in another order: float32 noise, not a wrong row (a row of another token or step
+    # is off by its whole norm). Bit-equal samples are counted, not required.
+    cmp = compare(got, ref)
+    print(
+        f"CONNECTOR_VS_OFFLINE {fmt} {env}: {same}/{len(prompts)} samples bit-equal, worst relative error "
+        f"{cmp.worst:.2e} at {cmp.where}" + (f", fp8 codes equal {codes_same / codes_all:.5f}" if q else "")
+    )
+    if q is None:
+        assert cmp.ok(1e-4), f"worst relative error {cmp.worst:.2e} at (sample, token, layer) {cmp.where}"
+    else:
+        assert cmp.ok(2e-2), f"worst relative error {cmp.worst:.2e} at (sample, token, layer) {cmp.where}"
+        assert codes_same >= 0.999 * codes_all, f"only {codes_same}/{codes_all} fp8 codes equal speculators' quantizer"
 
 
 def test_connector_with_shared_steps_answers_every_request_in_time(tmp_path, offline):

@@ -115,3 +115,20 @@ class _NaNInMarkedPrompt(_NaNInSample1):
 
 class NaNInMarkedPromptWorker(CaptureWorker):
     capture_cls = _NaNInMarkedPrompt
+
+
+class _FailsOnFirstStage(WorkerCapture):
+    """Pipeline stage 0 fails in its third step with a forward (a hook's error, as a broken layer would raise)."""
+
+    def capture(self, slot, hidden, residual):
+        from hscapture.errors import ShapeContractError
+
+        if self.link is not None and self.link.pp_rank == 0:
+            self._seen = getattr(self, "_seen", 0) + (slot == 0)
+            if self._seen >= 3:
+                raise ShapeContractError("injected on pipeline stage 0: a hook saw a tensor it cannot take")
+        super().capture(slot, hidden, residual)
+
+
+class FailsOnFirstStageWorker(CaptureWorker):
+    capture_cls = _FailsOnFirstStage

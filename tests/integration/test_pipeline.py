@@ -42,3 +42,35 @@ def test_pp_stage_buffer_shim_is_needed_exactly_where_keyed(tmp_path, tiny_model
             run()
     else:
         run()
+
+
+def test_a_failure_on_an_earlier_stage_reaches_the_last_stage_as_that_error(tmp_path, tiny_model):
+    """Stage 0's hook fails in its third step: the run fails with that error within seconds. Before, stage 0 skipped
+    its send and the last stage waited in gloo's receive (30 minutes), the engine with it."""
+    import signal
+    import time
+
+    from hscapture import HscaptureError
+
+    def hung(*_):
+        raise TimeoutError("the run did not end within 240 s of a stage's failure: the last stage is waiting")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(240)
+    t = time.monotonic()
+    try:
+        with pytest.raises(HscaptureError, match="injected on pipeline stage 0"):
+            extract(
+                tmp_path,
+                tiny_model("llama", "float32"),
+                prompts(seed=8, lengths=(30, 12, 41, 9, 25, 17)),
+                tp=1,
+                pp=2,
+                convention="after",
+                layers=[0, 3],
+                llm_kwargs={"worker_cls": "faulty.FailsOnFirstStageWorker", "max_num_seqs": 1},
+            )
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert time.monotonic() - t < 240

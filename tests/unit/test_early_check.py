@@ -43,3 +43,28 @@ def test_good_settings_pass(tiny_model):
     )
     assert args.create_engine_config().additional_config["hscapture"]["layers"] == [1, 3]
     engine_args(tiny_model("llama")).create_engine_config()  # no hscapture settings: nothing to check
+
+
+def test_pipeline_stages_with_tensor_parallelism_are_refused_by_name(tiny_model):
+    """PP × TP is refused until the stages' rows are agreed before they are written (the last stage would write an
+    earlier stage's rows before that stage's TP ranks compared them); PP or TP alone passes."""
+    from hscapture import CompatibilityError
+    from hscapture.adapters.parallel import refuse_stages_with_tp
+
+    with pytest.raises(
+        CompatibilityError, match=r"2 stages\) with tensor parallelism \(2 ranks.*--tensor-parallel-size 4"
+    ):
+        refuse_stages_with_tp(2, 2)
+    refuse_stages_with_tp(2, 1)
+    refuse_stages_with_tp(1, 8)
+    section = {"layers": [1, 3], "convention": "after", "out": "/x"}
+    args = engine_args(
+        tiny_model("llama"),
+        worker_cls="hscapture.worker.CaptureWorker",
+        additional_config={"hscapture": section},
+        pipeline_parallel_size=2,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+    )
+    with pytest.raises(CompatibilityError, match="pipeline parallelism"):
+        args.create_engine_config()

@@ -53,10 +53,33 @@ def resolve_qualname(qualname: str) -> type:
         raise CompatibilityError(f"cannot load the worker class {qualname}: {e}") from e
 
 
+def _extra(sampling_params: Any) -> dict:
+    extra = getattr(sampling_params, "extra_args", None)
+    return extra if isinstance(extra, dict) else {}
+
+
 def sample_index(sampling_params: Any) -> int | None:
-    extra = getattr(sampling_params, "extra_args", None) or {}
-    v = extra.get(SAMPLE_KEY)
-    return int(v) if v is not None else None
+    """The sample index hscapture's driver attached; a value a client sent that is not an index in 0..2^63 is
+    ignored with a warning (one request's arguments never stop the capture)."""
+    v = _extra(sampling_params).get(SAMPLE_KEY)
+    if v is None:
+        return None
+    if type(v) is int and 0 <= v < 2**63:
+        return v
+    log.warning("hscapture: ignoring %s=%.80r: expected an integer in 0..2^63", SAMPLE_KEY, v)
+    return None
+
+
+def loss_mask(sampling_params: Any) -> list[int] | None:
+    """The prompt's training mask the driver attached (0/1 per token); any other value a client sent is ignored
+    with a warning."""
+    v = _extra(sampling_params).get(LOSS_MASK_KEY)
+    if v is None:
+        return None
+    if isinstance(v, (list, tuple)) and all(type(x) is int and x in (0, 1) for x in v):
+        return list(v)
+    log.warning("hscapture: ignoring %s=%.80r: expected a list of 0 and 1, one per prompt token", LOSS_MASK_KEY, v)
+    return None
 
 
 def complete_pending_sample(worker: Any) -> bool:
@@ -85,7 +108,7 @@ formats that store one (``legacy``)."""
 
 def include_output_tokens(params: Any) -> bool:
     """Whether a request's ``kv_transfer_params`` ask for the states of its generated tokens too."""
-    return isinstance(params, dict) and bool(params.get("include_output_tokens", False))
+    return isinstance(params, dict) and params.get("include_output_tokens") is True
 
 
 def step_args(so: Any) -> tuple:
@@ -97,15 +120,13 @@ def step_args(so: Any) -> tuple:
             raise CompatibilityError(
                 f"request {r.req_id!r} has no prompt token ids (prompt embeddings?); hscapture captures token prompts only"
             )
-        extra = getattr(r.sampling_params, "extra_args", None) or {}
-        mask = extra.get(LOSS_MASK_KEY)
         new.append(
             (
                 r.req_id,
                 list(ids),
                 int(r.num_computed_tokens),
                 sample_index(r.sampling_params),
-                list(mask) if mask is not None else None,
+                loss_mask(r.sampling_params),
             )
         )
     c = so.scheduled_cached_reqs

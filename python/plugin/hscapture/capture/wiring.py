@@ -13,6 +13,7 @@ import torch
 
 from .. import _native, envs
 from ..adapters import vllm_compat
+from ..adapters.parallel import refuse_stages_with_tp
 from ..config import CaptureConfig
 from ..errors import ConfigError, HscaptureError
 from . import hooks
@@ -68,6 +69,7 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
     n_layers, hidden, model_dtype, model = model_facts(vc)
     layer_ids = cfg.resolve(n_layers)
     tp = vllm_compat.TPGroup()
+    refuse_stages_with_tp(pp_size, tp.size)  # also checked before the engine starts (early_check)
     writer = tp.rank == 0 and pp_rank == pp_size - 1  # the last stage assembles (pipeline.py)
     out_dtype = model_dtype if cfg.dtype == "auto" else cfg.dtype
     store = None

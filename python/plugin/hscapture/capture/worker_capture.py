@@ -130,10 +130,13 @@ class WorkerCapture:
         return outcomes
 
     def begin(self, scheduler_output: Any) -> None:
+        if self.link is not None:
+            self.link.new_step()
         try:  # device steps still in flight beyond the one overlap keeps are accounted here
             self._meet("a new step", lambda: self.session.begin_step(*vllm_compat.step_args(scheduler_output)))
         except HscaptureError:
             self._abandon()  # this step will not run; the next one must not find it begun
+            self._tell_last_stage()
             raise
         self._total = int(scheduler_output.total_num_scheduled_tokens)
         self._forward_tokens = 0
@@ -249,6 +252,7 @@ class WorkerCapture:
             reports = self.session.end_step()
             return reports + self.session.flush() if self.settle_each_step else reports
 
+        self._tell_last_stage()
         try:
             self._meet("ending a step", account)
         except BaseException:
@@ -274,7 +278,17 @@ class WorkerCapture:
                         "the cause and re-run: the run resumes)"
                     )
                 )
+        self._tell_last_stage()
         self.sync.start_failed()
+
+    def _tell_last_stage(self) -> None:
+        """An earlier pipeline stage that failed sends its error where its rows were expected."""
+        if self.link is None or self.sync.failure is None:
+            return
+        try:
+            self.link.send_failure(self.sync.failure)
+        except Exception as e:  # noqa: BLE001 - the failure being reported is the one that matters
+            log.error("hscapture: telling the last pipeline stage of this failure: %s", e)
 
     def _abandon(self) -> None:
         """Drops the step in progress (disarmed on the device); the error being raised is the one that matters, so a

@@ -295,3 +295,29 @@ def test_llm_generate_carries_the_same_contract(prepared, tmp_path):
             fcntl.flock(lock, fcntl.LOCK_EX)
         s, ref = load(Path(path)), load(offline / "hidden_states" / f"hs_{i}.safetensors")
         assert s["token_ids"].tolist() == ids[i] and torch.equal(s["hidden_states"], ref["hidden_states"])
+
+
+def test_sigterm_writes_the_queued_files_or_fails_their_requests(tmp_path, tiny_model):
+    """SIGTERM to a server whose disk is slow (each file 1.5 s late), right after it answered 8 requests: every
+    answered path ends as its whole file (written before the worker exits) or as nothing, never as a lock file
+    that promises a file no process will write."""
+    import signal
+
+    model = tiny_model("llama", "float32")
+    server, stage = serve(tmp_path, model, "file", env={"HSCAPTURE_TEST_STAGING_DELAY_MS": "1500"})
+    prompts = [[7, 8, 9, 10 + i] for i in range(8)]
+    with server:
+        paths = [Path(server.complete(p)["kv_transfer_params"]["hidden_states_path"]) for p in prompts]
+        assert any(not p.exists() for p in paths), "the disk was not slow: nothing was queued at the signal"
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        server.proc.wait(timeout=120)
+    written = 0
+    for p, ids in zip(paths, prompts, strict=True):
+        lock = Path(str(p) + ".lock")
+        if p.exists():
+            assert load(p)["token_ids"].tolist() == ids, f"{p.name}: not the request's own states"
+            written += 1
+        else:
+            assert not lock.exists(), f"{p.name}: a lock file promises a file no process will write:\n{server.log()}"
+    assert written > 0, "the worker wrote none of the queued files before it exited:\n" + server.log()
+    assert not [f for f in os.listdir(stage) if f.endswith(".partial")], "partial files left behind"

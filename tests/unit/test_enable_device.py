@@ -65,3 +65,16 @@ def test_more_than_two_steps_in_flight_is_refused(monkeypatch):
     vc = NS(device_config=NS(device_type="cuda"), scheduler_config=NS(max_num_batched_tokens=64))
     with pytest.raises(ConfigError, match="HSCAPTURE_DEVICE_OVERLAP=3 is not valid"):
         wiring.enable_device(Session(), CaptureConfig(layers=(1,), convention="after"), False, vc)
+
+
+@pytest.mark.parametrize(
+    "writer,out,store,warned",
+    [(True, None, None, True), (True, "/x", None, False), (True, None, object(), False), (False, None, None, False)],
+)
+def test_a_writer_without_out_or_store_says_nothing_is_written(caplog, writer, out, store, warned):
+    """Reliability row 64: samples kept in memory for the RPC surface are announced once, at start-up."""
+    from hscapture.capture.wiring import warn_if_nothing_is_written
+
+    caplog.set_level("WARNING", logger="hscapture")
+    warn_if_nothing_is_written(writer, CaptureConfig(layers=(1,), convention="after", out=out), store)
+    assert ("nothing is written to disk" in caplog.text) is warned

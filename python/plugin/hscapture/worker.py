@@ -2,13 +2,15 @@
 
 Load it with ``--worker-cls hscapture.worker.CaptureWorker`` or ``LLM(worker_cls=...)``. It
 subclasses the worker the platform would have used (``CPUWorker`` on CPU, the GPU ``Worker`` on
-CUDA) and overrides only ``load_model`` (install hooks) and ``execute_model`` (bracket each step);
+CUDA) and overrides only ``load_model`` (install hooks), ``execute_model`` (bracket each step) and ``shutdown``
+(write what was agreed);
 ``sample_tokens`` and everything else are the base class's. It also carries the speculators-compatible
 RPC surface (``hscapture.rpc.HiddenStatesRPC``).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from .adapters import vllm_compat
@@ -17,6 +19,8 @@ from .capture.worker_capture import WorkerCapture, run_step
 from .errors import HscaptureError
 from .output.failures import record_failure
 from .rpc import HiddenStatesRPC
+
+log = logging.getLogger("hscapture")
 
 _Base: type = vllm_compat.resolve_qualname(vllm_compat.platform_worker_qualname())
 
@@ -51,6 +55,19 @@ class CaptureWorker(HiddenStatesRPC, _Base):  # type: ignore[misc, valid-type]
             return super().compile_or_warm_up_model(*args, **kwargs)
         finally:
             self._hscapture_paused = False
+
+    def shutdown(self) -> None:
+        """vLLM calls this when it stops the worker (on SIGTERM too): queued samples are written, or their requests
+        failed, before the process exits (``WorkerCapture.shutdown``)."""
+        cap, self._hscapture = self._hscapture, None
+        if cap is not None:
+            try:
+                cap.shutdown()
+            except Exception as e:  # noqa: BLE001 - vLLM's own shutdown must still run
+                log.error("hscapture: shutting the capture down: %s", e)
+        base = getattr(super(), "shutdown", None)
+        if base is not None:
+            base()
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any):
         if not self._hscapture_shims_checked:  # after warm-up: what it left undone is now visible

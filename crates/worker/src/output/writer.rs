@@ -34,9 +34,15 @@ pub struct WriterConfig {
     pub keep_records: bool,
 }
 
+/// Records kept for a driver that never takes them (a long-lived `vllm serve` with a capture directory: its journal on
+/// disk has every record) are bounded: past this many, the oldest half goes.
+pub const UNTAKEN_RECORDS: usize = 1 << 16;
+
 #[derive(Default)]
 struct Shared {
     records: Vec<SampleRecord>,
+    /// Records dropped because nobody took them (`UNTAKEN_RECORDS`), not yet reported.
+    dropped: usize,
     /// Samples written or failed so far.
     done: u64,
 }
@@ -128,7 +134,13 @@ impl Writer {
                         }
                         let mut g = lock(&state.shared);
                         match r {
-                            Ok(rec) if keep => g.records.push(rec),
+                            Ok(rec) if keep => {
+                                if g.records.len() >= UNTAKEN_RECORDS {
+                                    g.records.drain(..UNTAKEN_RECORDS / 2);
+                                    g.dropped += UNTAKEN_RECORDS / 2;
+                                }
+                                g.records.push(rec)
+                            }
                             Ok(_) => {}
                             Err(e) => {
                                 state.failure.report(ORIGIN, e);
@@ -174,6 +186,11 @@ impl Writer {
     }
 
     /// Records written so far (removed from the writer).
+    /// How many records were dropped, untaken, since the last call.
+    pub fn take_dropped(&self) -> usize {
+        std::mem::take(&mut lock(&self.state.shared).dropped)
+    }
+
     pub fn take_records(&self) -> Vec<SampleRecord> {
         std::mem::take(&mut lock(&self.state.shared).records)
     }

@@ -36,6 +36,9 @@ pub use settings::{identity, OutputSettings, StoreHandle, STORE_FORMAT};
 use times::elapsed_ns;
 pub use times::CallTimes;
 
+/// Aborted requests kept for a driver that never takes them (see [`crate::output::writer::UNTAKEN_RECORDS`]).
+const UNTAKEN_ABORTS: usize = 1 << 16;
+
 /// What a step's accounting reports to the caller.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepReport {
@@ -186,6 +189,16 @@ impl WorkerSession {
 
     /// What happened since the last call that the caller should log (a stalled writer, a sweep).
     pub fn take_notes(&mut self) -> Vec<String> {
+        if let Output::Files(w) = &self.output {
+            let dropped = w.take_dropped();
+            if dropped > 0 {
+                self.notes.push(format!(
+                    "{dropped} sample records were never taken by a driver and are dropped from memory (the newest {} are \
+                     kept; the capture directory's journal has every one)",
+                    crate::output::writer::UNTAKEN_RECORDS / 2
+                ));
+            }
+        }
         std::mem::take(&mut self.notes)
     }
 
@@ -237,6 +250,10 @@ impl WorkerSession {
             // A server's aborted requests are nobody's to report (and would pile up for as long as it runs).
             if self.locks.is_none() && self.format != STORE_FORMAT {
                 self.aborted.append(&mut out.aborted);
+                if self.aborted.len() > UNTAKEN_ABORTS {
+                    // Nobody takes them (a long-lived server with a capture directory): the oldest go.
+                    self.aborted.drain(..self.aborted.len() - UNTAKEN_ABORTS / 2);
+                }
             }
         }
         self.store(ready)?;
@@ -386,6 +403,11 @@ impl WorkerSession {
             Output::Files(w) => w.finish(),
             _ => Ok(Vec::new()),
         };
+        // Every sample the writer will ever write is written: a lock still held promises a file that will not come
+        // (a step in flight at a shutdown), so it goes, and its client finds no file instead of waiting.
+        if let Some(locks) = &self.locks {
+            locks.abandon_all();
+        }
         match first {
             Some(e) => Err(e),
             None => finished,

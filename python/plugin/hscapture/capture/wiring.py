@@ -97,11 +97,7 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
     session = _native.CaptureSession(
         layer_ids, cfg.convention, n_layers, hidden, model_dtype, out_dtype, assemble=writer, output=output
     )
-    if writer and cfg.out is None and store is None:
-        log.warning(
-            "hscapture: no output directory (`out`) is set: captured samples are kept in memory for the RPC "
-            "surface (`_get_captured_states`) and nothing is written to disk"
-        )
+    warn_if_nothing_is_written(writer, cfg, store)
     session.set_skip_nonfinite(cfg.on_nonfinite == "skip")
     ring = assembly_ring()
     if writer and ring:
@@ -223,6 +219,16 @@ def enable_device(session: Any, cfg: CaptureConfig, writer: bool, vc: Any) -> De
         ", fp8 quantized on the device" if fp8 else "",
     )
     return DevicePath("device", overlap, fp8)
+
+
+def warn_if_nothing_is_written(writer: bool, cfg: CaptureConfig, store: Any) -> None:
+    """The writing rank with neither an output directory nor a store keeps its samples in memory for the RPC surface:
+    said once at start-up, since a user who forgot `out` would otherwise find nothing on disk."""
+    if writer and cfg.out is None and store is None:
+        log.warning(
+            "hscapture: no output directory (`out`) is set: captured samples are kept in memory for the RPC "
+            "surface (`_get_captured_states`) and nothing is written to disk"
+        )
 
 
 def check_graphs(ex: Any, path: DevicePath, pp_size: int, tp_size: int, order: Any, vc: Any) -> None:

@@ -343,13 +343,15 @@ class WorkerCapture:
             "tp_size": self.tp.size,
         }
 
-    def close(self) -> None:
+    def close(self, meet: bool = True) -> None:
         """Accounts the steps still in flight, then releases the hooks and the session. Every rank flushes,
         failed or not (the ranks meet there); a failure is logged, and recorded for the driver when it is
         this rank's own, never raised: ranks that raised here on some ranks only would part (a reload builds
-        a new capture on each, which meet at start-up)."""
+        a new capture on each, which meet at start-up). ``meet=False``: the steps in flight are dropped unaccounted
+        (no meeting: the other ranks may be gone); what was agreed is still written."""
         try:
-            self.flush()
+            if meet:
+                self.flush()
         except HscaptureError as e:
             log.error("hscapture: closing the capture: %s", e)
         finally:
@@ -363,6 +365,14 @@ class WorkerCapture:
                 except HscaptureError as e:  # the writer's error again, say: recorded, logged, not raised
                     self.sync.failed(e)
                     log.error("hscapture: closing the capture: %s", e)
+
+    def shutdown(self) -> None:
+        """vLLM stops this worker (SIGTERM, the engine's shutdown): the samples already agreed on are written before
+        it exits, and every request still waiting for its file fails (its lock is given up: its client finds no
+        file, never a wait). The steps in flight are accounted at TP=1 only: with more ranks the others may be gone,
+        and a meeting with them could wait past vLLM's kill."""
+        log.info("hscapture: the worker is shutting down: writing the agreed samples, failing the rest")
+        self.close(meet=self.tp.size == 1)
 
     def _deactivate(self) -> None:
         if self.traced_active:

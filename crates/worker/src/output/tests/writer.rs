@@ -121,3 +121,33 @@ fn try_submit_gives_a_sample_back_when_the_queue_is_full_and_loses_nothing() {
     );
     w.finish().unwrap();
 }
+
+/// Stores nothing: records only.
+struct Counting;
+
+impl crate::output::sink::Sink for Counting {
+    fn put(&self, s: &Sample) -> CoreResult<SampleRecord> {
+        let SampleKey::Index(i) = s.key else { unreachable!() };
+        Ok(SampleRecord { index: Some(i), request_id: None, file: String::new(), length: s.rows, checksum: String::new(), bytes: 0 })
+    }
+}
+
+#[test]
+fn records_nobody_takes_stay_bounded_and_the_drop_is_counted() {
+    // A long-lived server with a capture directory: no driver ever takes the records (its journal has them all).
+    let mut w =
+        Writer::start(Arc::new(Counting), WriterConfig { threads: 1, queue: 64, pool: None, keep_records: true }, Failure::new()).unwrap(); // one thread: records in submission order
+    let n = UNTAKEN_RECORDS as u64 + 10;
+    for i in 0..n {
+        w.submit(sample(i)).unwrap();
+    }
+    w.drain().unwrap();
+    let dropped = w.take_dropped();
+    let recs = w.take_records();
+    assert_eq!(dropped, UNTAKEN_RECORDS / 2);
+    assert_eq!(recs.len() + dropped, n as usize, "every record is either kept or counted as dropped");
+    assert!(recs.len() <= UNTAKEN_RECORDS);
+    assert_eq!(w.take_dropped(), 0, "counted once");
+    assert_eq!(recs.iter().filter_map(|r| r.index).min(), Some((UNTAKEN_RECORDS / 2) as u64), "the oldest go");
+    w.finish().unwrap();
+}

@@ -51,6 +51,7 @@ case "$what" in
     pip install -q --no-index --no-deps --target /tmp/site .gpu/stage/whl/*.whl
     export HSCAPTURE_SPECULATORS_ROOT=$PWD/.gpu/stage/spec
     export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn HF_HUB_OFFLINE=1
+    export PYTHONUNBUFFERED=1  # a log cut by the call's limit keeps every line written before it
     out=${OUT:-/tmp/out}
     mkdir -p "$out"
     rm -rf /tmp/hs && mkdir -p /tmp/hs && cp -r tests bench pyproject.toml /tmp/hs/   # pyproject: pytest's markers

@@ -89,3 +89,30 @@ def test_prompt_and_generated_tokens_equal_hf_and_the_capture_changes_no_token(t
         theirs = theirs.float()
         err = torch.linalg.vector_norm(ours - theirs, dim=-1) / torch.linalg.vector_norm(theirs, dim=-1)
         assert float(err.max()) < 1e-4, f"request {k}: {float(err.max()):.2e} from HF at position {int(err.argmax())}"
+
+
+def test_a_request_that_could_outgrow_the_bound_fails_itself_at_admission(tmp_path, tiny_model):
+    """HSCAPTURE_MAX_GROWING_SAMPLE_MIB=1 (682 rows of 3 layers × 128 float32 values): a request asking for
+    `include_output_tokens` with 10 prompt tokens and max_tokens 800 could reach 809 rows. Its answer carries
+    `hidden_states_error` and no path, no file of it appears, its tokens are generated as usual; the requests before
+    and after it (one under the bound by one row, one prompt-only) get their files, and the server serves on."""
+    model = tiny_model("llama", "float32")
+    prompt = list(range(5, 15))
+    env = {"HSCAPTURE_MAX_GROWING_SAMPLE_MIB": "1"}
+    server, stage = serve(tmp_path, model, "file", env=env, extra=["--max-model-len", "1024"])
+    outputs = {"kv_transfer_params": {"include_output_tokens": True}}
+    with server:
+        _p, edge, edge_path = ask(server, prompt, 682 - 10 + 1, outputs=True)  # exactly the bound: 682 rows
+        refused = complete(server, prompt, 800, **outputs)
+        _p, _g, after = ask(server, prompt, 3, outputs=False)
+        log = server.log()
+    params = refused["kv_transfer_params"]
+    assert "hidden_states_path" not in params, params
+    assert "refused at admission" in params["hidden_states_error"], params
+    assert "max_tokens (800)" in params["hidden_states_error"] and "809 rows" in params["hidden_states_error"]
+    assert len(refused["choices"][0]["token_ids"]) == 800, "the request itself runs as usual"
+    assert "refused at admission" in log, log[-3000:]
+    assert load(edge_path)["token_ids"].tolist() == prompt + edge[:-1]
+    assert load(after)["token_ids"].tolist() == prompt
+    files = sorted(p.name for p in stage.iterdir() if p.name.endswith(".safetensors"))
+    assert files == sorted([edge_path.name, after.name]), files

@@ -62,7 +62,9 @@ def test_a_step_with_hostile_arguments_becomes_plain_arguments():
         req_id="cmpl-x",
         prompt_token_ids=[1, 2, 3],
         num_computed_tokens=0,
-        sampling_params=_sp({SAMPLE_KEY: "zero", LOSS_MASK_KEY: {"x": 1}, "kv_transfer_params": 42}),
+        sampling_params=SimpleNamespace(
+            extra_args={SAMPLE_KEY: "zero", LOSS_MASK_KEY: {"x": 1}, "kv_transfer_params": 42}, max_tokens=5
+        ),
     )
     so = SimpleNamespace(
         scheduled_new_reqs=[new],
@@ -73,4 +75,21 @@ def test_a_step_with_hostile_arguments_becomes_plain_arguments():
         kv_connector_metadata=None,
     )
     args = step_args(so)
-    assert args[0][0] == ("cmpl-x", [1, 2, 3], 0, None, None)
+    assert args[0][0] == ("cmpl-x", [1, 2, 3], 0, None, None, 5)
+
+
+def test_the_scheduler_refuses_a_growing_sample_by_the_workers_rule():
+    """The rule the connector answers with (`hidden_states_error`, no path) is the workers' admission rule: rows =
+    prompt + max_tokens - 1 against the bound over the format's row bytes (1 MiB of 3 × 128 float32 values = 682
+    rows; fp8 stores a byte per value and a 4-byte scale per row = 2702 rows)."""
+    from hscapture import _native
+
+    plain = _native.canonical_format("file")
+    assert _native.growing_sample_refusal(plain, 3, 128, "float32", 1, "r", 10, 673) is None
+    why = _native.growing_sample_refusal(plain, 3, 128, "float32", 1, "r", 10, 674)
+    assert "683 rows" in why and "HSCAPTURE_MAX_GROWING_SAMPLE_MIB" in why
+    assert _native.growing_sample_refusal("fp8", 3, 128, "bfloat16", 1, "r", 2, 2701) is None
+    assert _native.growing_sample_refusal("fp8", 3, 128, "bfloat16", 1, "r", 2, 2702) is not None
+    store = _native.STORE_FORMAT  # the packed object holds the states as captured
+    assert _native.growing_sample_refusal(store, 3, 128, "bfloat16", 1, "r", 1, 1365) is None
+    assert _native.growing_sample_refusal(store, 3, 128, "bfloat16", 1, "r", 1, 1366) is not None

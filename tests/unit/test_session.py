@@ -199,7 +199,7 @@ def test_real_vllm_scheduler_output_shape():
         total_num_scheduled_tokens=3,
         finished_req_ids=set(),
     )
-    assert step_args(so) == ([("r0", [5, 6, 7], 0, 4, None)], [], [("r0", 3)], 3, [], [], [], [])
+    assert step_args(so) == ([("r0", [5, 6, 7], 0, 4, None, 1)], [], [("r0", 3)], 3, [], [], [], [])
 
 
 def test_worker_errors_cross_to_the_driver_typed(tmp_path):

@@ -36,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from . import _native
 from .adapters.requested import capture_config, settings
-from .adapters.vllm_compat import include_output_tokens
+from .adapters.vllm_compat import include_output_tokens, max_tokens
 from .errors import ConfigError
 
 
@@ -63,17 +63,22 @@ class HscaptureConnector(KVConnectorBase_V1):
             raise ConfigError(f"{type(self).__name__} is configured as {vllm_config.kv_transfer_config.kv_connector!r}")
         self.out = found.get("out")
         self.packed: tuple[int, int, str] | None = None  # (layers, hidden size, dtype) of a mooncake object
+        self.growing: tuple | None = None  # (format, layers, hidden size, dtype, MiB): the growing samples' bound
         self.outputs: dict[str, list[int]] = {}  # finished requests with generated tokens, for the next step
         if role == KVConnectorRole.SCHEDULER:
             from .adapters.early_check import check
 
             check(vllm_config)  # the capture must be set up (a worker class that captures, valid settings)
-            if "mooncake" in found:
-                from .capture.wiring import model_facts
+            from .capture.wiring import max_growing_sample_mib, model_facts
 
-                cfg = capture_config(vllm_config)
-                n_layers, hidden, model_dtype, _ = model_facts(vllm_config)
-                self.packed = (len(cfg.resolve(n_layers)), hidden, model_dtype if cfg.dtype == "auto" else cfg.dtype)
+            cfg = capture_config(vllm_config)
+            n_layers, hidden, model_dtype, _ = model_facts(vllm_config)
+            slots, dtype = len(cfg.resolve(n_layers)), model_dtype if cfg.dtype == "auto" else cfg.dtype
+            store = "mooncake" in found
+            fmt = _native.STORE_FORMAT if store else _native.canonical_format(cfg.format)
+            self.growing = (fmt, slots, hidden, dtype, max_growing_sample_mib())
+            if store:
+                self.packed = (slots, hidden, dtype)
 
     # -- the scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -92,10 +97,14 @@ class HscaptureConnector(KVConnectorBase_V1):
         """The answer's ``kv_transfer_params``: where the request's states are — a file, whole once its lock (held
         from the step the prompt completed in) is released; or a Mooncake object's transfer manifest (the object,
         or its error marker, appears once the put is over). None for a request with generated tokens that ended
-        before its first one (aborted)."""
+        before its first one (aborted). A request whose sample could outgrow the bound on growing samples was
+        refused at admission by the workers (the same rule): its answer carries ``hidden_states_error``, no path."""
         prompt = list(getattr(request, "prompt_token_ids", None) or ())
         rows, mode = len(prompt), "prompt_only"
         if include_output_tokens(getattr(request, "kv_transfer_params", None)):
+            why = self._refusal(request, len(prompt))
+            if why is not None:
+                return False, {"hidden_states_error": why}
             every = list(request.all_token_ids)
             rows = _native.output_sample_rows(len(prompt), len(every))  # the workers decide by the same rule
             if rows is None:
@@ -107,6 +116,12 @@ class HscaptureConnector(KVConnectorBase_V1):
             return False, {"hidden_states_path": hidden_states_path(self.out, request.request_id)}
         slots, width, dtype = self.packed
         return False, json.loads(_native.packed_manifest(request.request_id, rows, slots, width, dtype, mode))
+
+    def _refusal(self, request: Any, prompt_len: int) -> str | None:
+        n = max_tokens(getattr(request, "sampling_params", None))
+        if self.growing is None or n is None:
+            return None
+        return _native.growing_sample_refusal(*self.growing, request.request_id, prompt_len, n)
 
     # -- the worker side: nothing of the KV cache moves -----------------------------------------------
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -149,6 +149,14 @@ REGISTRY: dict[str, EnvVar] = {
             "process holds, and logs what it removed.",
         ),
         EnvVar(
+            "HSCAPTURE_MAX_GROWING_SAMPLE_MIB",
+            "int",
+            "4096",
+            "KV connector with `include_output_tokens`: the most MiB one request's sample (prompt and generated tokens) "
+            "may take; a request whose prompt and `max_tokens` could exceed it is refused at admission: nothing of it "
+            "is captured, its answer carries `hidden_states_error` and no path, and the worker logs why.",
+        ),
+        EnvVar(
             "HSCAPTURE_ASSEMBLY",
             "str",
             "background",

@@ -54,6 +54,9 @@ pub struct NewRequest {
     pub sample: Option<u64>,
     /// The prompt's training mask (0/1 per token), when the driver attached one.
     pub loss_mask: Option<Vec<u8>>,
+    /// The most tokens the request may generate (its sampling parameters' `max_tokens`), when known: what a sample
+    /// that grows with them is bounded by at admission.
+    pub max_tokens: Option<usize>,
 }
 
 /// A request the model runner already knows.
@@ -79,6 +82,9 @@ pub struct StepInput {
     /// `(req_id, token ids)` of finished requests that capture their generated tokens: every token that went
     /// through a forward (prompt and output, all but the last).
     pub outputs: Vec<(String, Vec<i64>)>,
+    /// New requests of this step refused at admission (their sample could outgrow the bound): nothing of them is
+    /// captured, no file is promised, their client finds none.
+    pub refused: Vec<String>,
 }
 
 /// Rows `src_row..src_row+len` of the step are prompt positions `dst_pos..dst_pos+len` of
@@ -209,7 +215,7 @@ impl Tracker {
         );
         self.step += 1;
         let mut events = self.retire(&input.finished, &input.outputs)?;
-        let mut starts = self.register(&input.new_requests, &input.with_outputs, &mut events)?;
+        let mut starts = self.register(&input.new_requests, &input.with_outputs, &input.refused, &mut events)?;
         for r in &input.cached_requests {
             starts.insert(&r.req_id, r.num_computed_tokens);
         }
@@ -275,9 +281,11 @@ impl Tracker {
         &mut self,
         new_requests: &'a [NewRequest],
         with_outputs: &[String],
+        refused: &[String],
         events: &mut Vec<Event>,
     ) -> CoreResult<HashMap<&'a str, usize>> {
         let with_outputs: HashSet<&str> = with_outputs.iter().map(String::as_str).collect();
+        let refused: HashSet<&str> = refused.iter().map(String::as_str).collect();
         let mut starts = HashMap::with_capacity(new_requests.len());
         for r in new_requests {
             ensure!(
@@ -298,17 +306,20 @@ impl Tracker {
                     t.prompt_len
                 );
             } else {
-                let captures_outputs = with_outputs.contains(r.req_id.as_str());
+                // A refused request is tracked as done from the start: its rows are never captured, it never
+                // completes, and it ends without an event.
+                let refuse = refused.contains(r.req_id.as_str());
+                let captures_outputs = with_outputs.contains(r.req_id.as_str()) && !refuse;
                 let sample = r.sample.map(SampleKey::Index).unwrap_or_else(|| SampleKey::Request(r.req_id.clone()));
                 self.reqs.insert(
                     r.req_id.clone(),
                     Track {
                         sample,
-                        token_ids: r.prompt_token_ids.clone(),
-                        loss_mask: r.loss_mask.clone(),
+                        token_ids: if refuse { Vec::new() } else { r.prompt_token_ids.clone() },
+                        loss_mask: if refuse { None } else { r.loss_mask.clone() },
                         prompt_len: r.prompt_token_ids.len(),
                         captured: 0,
-                        done: false,
+                        done: refuse,
                         with_outputs: captures_outputs,
                     },
                 );

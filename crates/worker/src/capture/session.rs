@@ -190,6 +190,11 @@ impl Session {
         Ok(prev)
     }
 
+    /// A request refused at admission (`WorkerSession`), counted with the session's totals.
+    pub fn count_refused(&mut self) {
+        self.accounting.stats.refused += 1;
+    }
+
     fn drop_request(&mut self, req_id: &str) -> CoreResult<()> {
         self.accounting.drop_request(req_id);
         self.buffers.drop_request(req_id)

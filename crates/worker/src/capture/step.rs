@@ -47,6 +47,8 @@ pub struct SessionStats {
     pub aborted: u64,
     /// Samples skipped for non-finite values (opt-in).
     pub skipped: u64,
+    /// Requests refused at admission (a sample that could outgrow its bound).
+    pub refused: u64,
     /// Nanoseconds the worker's thread waited for a free pinned buffer (the assembler thread held them all), and for
     /// a device step's copies.
     pub wait_ring_ns: u64,

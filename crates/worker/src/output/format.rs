@@ -49,6 +49,11 @@ pub trait Format: Send + Sync {
     fn stored_value_bytes(&self, dtype: DType) -> usize {
         dtype.size()
     }
+    /// The bytes one row (a token's states at every slot) takes in a file: its stored values and whatever the
+    /// format keeps per row beside them.
+    fn stored_row_bytes(&self, slots: usize, width: usize, dtype: DType) -> usize {
+        slots.saturating_mul(width).saturating_mul(self.stored_value_bytes(dtype))
+    }
     /// Whether a KV-connector server can hand samples out in this format, one `<request>.safetensors` each.
     fn per_request_files(&self) -> bool {
         self.folder() == crate::output::safetensors::FOLDER

@@ -132,6 +132,10 @@ impl Format for Fp8 {
         1
     }
 
+    fn stored_row_bytes(&self, slots: usize, width: usize, _: DType) -> usize {
+        slots.saturating_mul(width).saturating_add(std::mem::size_of::<f32>()) // a byte per value and the row's scale
+    }
+
     fn index_of(&self, name: &str) -> Option<u64> {
         index_in(name)
     }

@@ -44,7 +44,7 @@ fn durability(durable: Option<&Bound<'_, PyAny>>) -> PyResult<Durability> {
 #[pymethods]
 impl Output {
     #[new]
-    #[pyo3(signature = (out_dir=None, *, format="hscapture".to_string(), writer_threads=4, writer_queue=8, durable=None, compress=None, model=String::new(), staging=false, staging_backlog_mib=2048, staging_collect_s=600, store=None))]
+    #[pyo3(signature = (out_dir=None, *, format="hscapture".to_string(), writer_threads=4, writer_queue=8, durable=None, compress=None, model=String::new(), staging=false, staging_backlog_mib=2048, staging_collect_s=600, max_growing_sample_mib=4096, store=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         out_dir: Option<PathBuf>,
@@ -57,12 +57,16 @@ impl Output {
         staging: bool,
         staging_backlog_mib: u64,
         staging_collect_s: u64,
+        max_growing_sample_mib: u64,
         store: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         guard("Output()", || {
             let durability = durability(durable)?;
             let staging_backlog = staging_backlog_mib.checked_mul(1 << 20).ok_or_else(|| {
                 crate::core_err!(Config, "staging backlog of {staging_backlog_mib} MiB: expected at most {} MiB", u64::MAX >> 20)
+            })?;
+            let max_growing_sample = max_growing_sample_mib.checked_mul(1 << 20).ok_or_else(|| {
+                crate::core_err!(Config, "a growing sample bound of {max_growing_sample_mib} MiB: expected at most {} MiB", u64::MAX >> 20)
             })?;
             let settings = OutputSettings {
                 root: out_dir,
@@ -75,6 +79,7 @@ impl Output {
                 staging,
                 staging_backlog,
                 staging_collect: std::time::Duration::from_secs(staging_collect_s),
+                max_growing_sample,
                 slow_disk: SlowDisk::default(),
                 store: store.map(|client| StoreHandle(Arc::new(PyStore::new(client)))),
             };

@@ -16,7 +16,7 @@ use crate::ranks::checksums::verify_replicated;
 use crate::worker::{OutputSettings, StepReport, WorkerSession};
 
 /// `(request id, prompt token ids, computed tokens, sample index, loss mask)`.
-type NewReqTuple = (String, Vec<i64>, usize, Option<u64>, Option<Vec<u8>>);
+type NewReqTuple = (String, Vec<i64>, usize, Option<u64>, Option<Vec<u8>>, Option<usize>);
 type CachedReqTuple = (String, usize, bool);
 /// `(step, checksum as i64, rows, samples completed)`.
 type ReportTuple = (u64, i64, usize, usize);
@@ -144,12 +144,13 @@ impl CaptureSession {
             let input = StepInput {
                 new_requests: new_requests
                     .into_iter()
-                    .map(|(req_id, prompt_token_ids, num_computed_tokens, sample, loss_mask)| NewRequest {
+                    .map(|(req_id, prompt_token_ids, num_computed_tokens, sample, loss_mask, max_tokens)| NewRequest {
                         req_id,
                         prompt_token_ids,
                         num_computed_tokens,
                         sample,
                         loss_mask,
+                        max_tokens,
                     })
                     .collect(),
                 cached_requests: cached_requests
@@ -162,6 +163,7 @@ impl CaptureSession {
                 preempted,
                 with_outputs,
                 outputs,
+                refused: Vec::new(), // decided by the worker session (its bound on a growing sample)
             };
             // May wait for a device step's copies, the ring or the writer: without the GIL.
             let inner = &mut self.inner;

@@ -16,6 +16,7 @@ pub fn stats<'py>(py: Python<'py>, w: &WorkerSession) -> PyResult<Bound<'py, PyD
     d.set_item("samples", st.samples)?;
     d.set_item("aborted", st.aborted)?;
     d.set_item("skipped", st.skipped)?;
+    d.set_item("refused", st.refused)?;
     d.set_item("live_requests", s.tracker().live_requests())?;
     d.set_item("held_bytes", s.held_bytes())?;
     let t = w.times;

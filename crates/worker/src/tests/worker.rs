@@ -27,6 +27,7 @@ fn out(root: Option<PathBuf>) -> OutputSettings {
         staging: false,
         staging_backlog: 1 << 30,
         staging_collect: crate::output::janitor::COLLECT_WITHIN,
+        max_growing_sample: u64::MAX,
         slow_disk: Default::default(),
         store: None,
     }
@@ -36,7 +37,14 @@ fn out(root: Option<PathBuf>) -> OutputSettings {
 fn whole_prompt(id: &str, prompt: Vec<i64>, sample: Option<u64>) -> StepInput {
     let n = prompt.len();
     StepInput {
-        new_requests: vec![NewRequest { req_id: id.into(), prompt_token_ids: prompt, num_computed_tokens: 0, sample, loss_mask: None }],
+        new_requests: vec![NewRequest {
+            req_id: id.into(),
+            prompt_token_ids: prompt,
+            num_computed_tokens: 0,
+            sample,
+            loss_mask: None,
+            max_tokens: None,
+        }],
         num_scheduled: vec![(id.into(), n)],
         total_tokens: n,
         ..Default::default()
@@ -172,6 +180,7 @@ fn an_aborted_request_with_outputs_gives_up_its_lock_and_its_lock_file() {
             num_computed_tokens: 0,
             sample: None,
             loss_mask: None,
+            max_tokens: None,
         }],
         num_scheduled: vec![("q".into(), 2)],
         total_tokens: 2,
@@ -397,5 +406,46 @@ fn a_server_sweeps_what_no_client_collected_and_says_so() {
     step(&mut w, 1);
     assert!(w.take_notes().is_empty(), "the next sweep waits for its interval");
     assert!(d.path().join("r1.safetensors").exists() || d.path().join("r1.safetensors.lock").exists());
+    w.finish().unwrap();
+}
+
+#[test]
+fn a_growing_sample_that_could_outgrow_its_bound_is_refused_at_admission_alone() {
+    let d = tempfile::tempdir().unwrap();
+    let mut o = out(Some(d.path().into()));
+    o.staging = true;
+    o.max_growing_sample = 10 * 8; // a row: 1 slot × 2 values × 4 bytes; at most 10 rows
+    let mut w = WorkerSession::new(cfg(true), o).unwrap();
+    let new = |id: &str, max_tokens| NewRequest {
+        req_id: id.into(),
+        prompt_token_ids: vec![1, 2, 3],
+        num_computed_tokens: 0,
+        sample: None,
+        loss_mask: None,
+        max_tokens: Some(max_tokens),
+    };
+    // big: 3 prompt + 9 generated, all but the last through a forward = 11 rows > 10; fits: 3 + 8 - 1 = 10 rows.
+    let input = StepInput {
+        new_requests: vec![new("big", 9), new("fits", 8)],
+        num_scheduled: vec![("big".into(), 3), ("fits".into(), 3)],
+        total_tokens: 6,
+        with_outputs: vec!["big".into(), "fits".into()],
+        ..Default::default()
+    };
+    w.begin_step(input).unwrap();
+    assert_eq!(w.plan(&["big".into(), "fits".into()], None).unwrap(), 3, "only the admitted request's rows are captured");
+    let h = [0.5f32; 12];
+    let t = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![6, 2], strides: vec![2, 1], dtype: DType::F32, device: Device::Cpu };
+    // SAFETY: `h` lives for the call and nobody writes it.
+    unsafe { w.capture(0, None, &t, None, 0).unwrap() };
+    w.end_step().unwrap();
+    w.release().unwrap();
+    let notes = w.take_notes().join("\n");
+    assert!(notes.contains("\"big\" refused at admission") && notes.contains("11 rows"), "{notes}");
+    assert!(!notes.contains("\"fits\""), "{notes}");
+    assert_eq!(w.session().stats().refused, 1);
+    let lock = |id: &str| crate::output::staging::lock_path(&d.path().join(crate::output::staging::file_name(id)));
+    assert!(lock("fits").exists(), "the admitted request's file is promised (its lock)");
+    assert!(!lock("big").exists(), "the refused one promises nothing: its client finds no file");
     w.finish().unwrap();
 }

@@ -32,7 +32,7 @@ use crate::{ensure, error::CoreResult};
 mod settings;
 mod times;
 
-pub use settings::{identity, OutputSettings, StoreHandle, STORE_FORMAT};
+pub use settings::{identity, GrowingBound, OutputSettings, StoreHandle, STORE_FORMAT};
 use times::elapsed_ns;
 pub use times::CallTimes;
 
@@ -66,6 +66,8 @@ pub struct WorkerSession {
     locks: Option<Arc<Locks>>,
     /// Per-request files: the most rows of complete samples that may wait for their files at a release.
     backlog_rows: usize,
+    /// The bound on a sample that grows with its generated tokens, checked at admission.
+    growing: GrowingBound,
     /// Rows of the samples completed by the device step still in flight: they cannot be written before the next
     /// step collects it, so a release does not wait for them.
     in_flight_rows: usize,
@@ -112,7 +114,8 @@ impl WorkerSession {
         let format_name = if into_store { STORE_FORMAT } else { format.name() };
         let failure = Failure::new();
         let id = identity(&cfg, &out, format.as_ref());
-        let (assemble, slots, width, out_dtype) = (cfg.assemble, cfg.layers.num_slots(), cfg.hidden_size, cfg.out_dtype);
+        let row_bytes = format.stored_row_bytes(cfg.layers.num_slots(), cfg.hidden_size, cfg.out_dtype);
+        let assemble = cfg.assemble;
         let mut session = Session::with_failure(cfg, failure.clone())?;
         let mut staged = None;
         // A capture directory lists its files; per-request files and objects belong to the client (no ledger to
@@ -147,12 +150,8 @@ impl WorkerSession {
                 Output::Files(Writer::start(sink, wcfg, failure)?)
             }
         };
-        // What one row of a sample takes in its file (fp8: a byte per value and a scale).
-        let row_bytes = match format_name {
-            "fp8" => slots * width + 4,
-            _ => slots * width * out_dtype.size(),
-        };
         let backlog_rows = usize::try_from(out.staging_backlog / row_bytes.max(1) as u64).unwrap_or(usize::MAX);
+        let growing = GrowingBound::new(out.max_growing_sample, row_bytes);
         Ok(WorkerSession {
             session,
             output,
@@ -160,6 +159,7 @@ impl WorkerSession {
             aborted: Vec::new(),
             locks: staged,
             backlog_rows,
+            growing,
             in_flight_rows: 0,
             pending: Vec::new(),
             accounted: None,
@@ -184,6 +184,27 @@ impl WorkerSession {
         let swept = janitor::sweep(locks.root(), self.collect_within, self.started);
         if !swept.is_empty() {
             self.notes.push(format!("staging directory {}: {swept}", locks.root().display()));
+        }
+    }
+
+    /// Refuses at admission each new request whose sample grows with its generated tokens and could outgrow the
+    /// bound (`GrowingBound`). Only that request fails: nothing of it is captured, and the scheduler-side connector,
+    /// deciding by the same rule, answers it with an error and no path; a note says why.
+    fn refuse_outgrowing(&mut self, input: &mut StepInput) {
+        if input.with_outputs.is_empty() {
+            return;
+        }
+        for r in &input.new_requests {
+            let Some(max_tokens) = r.max_tokens else { continue };
+            if !input.with_outputs.contains(&r.req_id) {
+                continue;
+            }
+            if let Some(why) = self.growing.refusal(&r.req_id, r.prompt_token_ids.len(), max_tokens) {
+                input.with_outputs.retain(|id| id != &r.req_id);
+                input.refused.push(r.req_id.clone());
+                self.session.count_refused();
+                self.notes.push(why);
+            }
         }
     }
 
@@ -298,9 +319,10 @@ impl WorkerSession {
     }
 
     /// See [`Session::begin_step`].
-    pub fn begin_step(&mut self, input: StepInput) -> CoreResult<Vec<StepReport>> {
+    pub fn begin_step(&mut self, mut input: StepInput) -> CoreResult<Vec<StepReport>> {
         let t = std::time::Instant::now();
         self.sweep();
+        self.refuse_outgrowing(&mut input);
         let outs = self.session.begin_step(input)?;
         let r = self.route(outs, false);
         self.times.begin_step += elapsed_ns(t);

@@ -34,6 +34,9 @@ pub struct OutputSettings {
     pub staging_backlog: u64,
     /// Per-request files: how long a client has to collect its file before a sweep removes it.
     pub staging_collect: std::time::Duration,
+    /// A sample that grows with its generated tokens (`include_output_tokens`) may take at most this many bytes: a
+    /// request whose prompt and `max_tokens` could exceed it is refused at admission (nothing captured, no file).
+    pub max_growing_sample: u64,
     /// Tests only: per-request files are written late (`staging.rs`).
     pub slow_disk: SlowDisk,
     /// Samples go to this object store as packed objects (`output/store.rs`) instead of files.
@@ -54,6 +57,7 @@ impl OutputSettings {
             staging: false,
             staging_backlog: 0,
             staging_collect: janitor::COLLECT_WITHIN,
+            max_growing_sample: u64::MAX,
             slow_disk: SlowDisk::default(),
             store: None,
         }
@@ -83,5 +87,38 @@ pub fn identity(cfg: &SessionConfig, out: &OutputSettings, format: &dyn Format) 
         dtype: format.stored_dtype(cfg.out_dtype).into(),
         hidden_size: cfg.hidden_size,
         num_hidden_layers: cfg.layers.num_hidden_layers,
+    }
+}
+
+/// The bound on a sample that grows with its generated tokens (`include_output_tokens`), checked at admission: the
+/// workers drop such a request's rows, and the scheduler-side connector answers it with an error and no path, by
+/// this one rule.
+#[derive(Clone, Copy, Debug)]
+pub struct GrowingBound {
+    /// The most rows such a sample may reach.
+    pub max_rows: usize,
+    pub row_bytes: usize,
+}
+
+impl GrowingBound {
+    pub fn new(max_bytes: u64, row_bytes: usize) -> GrowingBound {
+        let max_rows = usize::try_from(max_bytes / row_bytes.max(1) as u64).unwrap_or(usize::MAX);
+        GrowingBound { max_rows, row_bytes }
+    }
+
+    /// Why a request with this prompt and `max_tokens` is refused (its sample could outgrow the bound: every token
+    /// but the last goes through a forward), or None when it is admitted.
+    pub fn refusal(&self, req_id: &str, prompt_len: usize, max_tokens: usize) -> Option<String> {
+        let rows = prompt_len.saturating_add(max_tokens.saturating_sub(1));
+        if rows <= self.max_rows {
+            return None;
+        }
+        let mib = (rows as u128 * self.row_bytes as u128) >> 20;
+        Some(format!(
+            "request {req_id:.80?} refused at admission: its prompt ({prompt_len} tokens) and max_tokens ({max_tokens}) \
+             could grow its sample with generated tokens to {rows} rows ({mib} MiB), over the bound of {} rows \
+             (HSCAPTURE_MAX_GROWING_SAMPLE_MIB); nothing of it is captured. Ask for fewer max_tokens, or raise the bound",
+            self.max_rows
+        ))
     }
 }

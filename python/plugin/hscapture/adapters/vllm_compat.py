@@ -70,6 +70,13 @@ def sample_index(sampling_params: Any) -> int | None:
     return None
 
 
+def max_tokens(sampling_params: Any) -> int | None:
+    """The most tokens the request may generate (vLLM has filled in its default by the time a worker sees it); what
+    bounds a sample that grows with them at admission."""
+    v = getattr(sampling_params, "max_tokens", None)
+    return v if type(v) is int and v >= 0 else None
+
+
 def loss_mask(sampling_params: Any) -> list[int] | None:
     """The prompt's training mask the driver attached (0/1 per token); any other value a client sent is ignored
     with a warning."""
@@ -120,15 +127,8 @@ def step_args(so: Any) -> tuple:
             raise CompatibilityError(
                 f"request {r.req_id!r} has no prompt token ids (prompt embeddings?); hscapture captures token prompts only"
             )
-        new.append(
-            (
-                r.req_id,
-                list(ids),
-                int(r.num_computed_tokens),
-                sample_index(r.sampling_params),
-                loss_mask(r.sampling_params),
-            )
-        )
+        sp = r.sampling_params
+        new.append((r.req_id, list(ids), int(r.num_computed_tokens), sample_index(sp), loss_mask(sp), max_tokens(sp)))
     c = so.scheduled_cached_reqs
     resumed = getattr(c, "resumed_req_ids", None)
     if resumed is None:  # older layout: a parallel list of flags

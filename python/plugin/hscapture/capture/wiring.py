@@ -36,6 +36,16 @@ def _staging_backlog_mib() -> int:
     return mib
 
 
+def max_growing_sample_mib() -> int:
+    mib = envs.get("HSCAPTURE_MAX_GROWING_SAMPLE_MIB")
+    if mib < 1:
+        raise ConfigError(
+            f"HSCAPTURE_MAX_GROWING_SAMPLE_MIB={mib} is not valid: expected at least 1 (MiB one request's sample with "
+            "its generated tokens may take)"
+        )
+    return mib
+
+
 def _staging_collect_s() -> int:
     secs = envs.get("HSCAPTURE_STAGING_COLLECT_S")
     if secs < 10:
@@ -88,6 +98,7 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         staging=cfg.staging,
         staging_backlog_mib=_staging_backlog_mib(),
         staging_collect_s=_staging_collect_s(),
+        max_growing_sample_mib=max_growing_sample_mib(),
         store=store,
     )
     if cfg.staging and (envs.get("HSCAPTURE_TEST_STAGING_DELAY_MS") > 0 or envs.get("HSCAPTURE_TEST_STAGING_HOLD")):

@@ -7,6 +7,7 @@ fn new(id: &str, len: usize, computed: usize, sample: Option<u64>) -> NewRequest
         num_computed_tokens: computed,
         sample,
         loss_mask: None,
+        max_tokens: None,
     }
 }
 
@@ -275,4 +276,27 @@ fn a_request_with_outputs_aborted_while_its_preemption_is_recomputed_fails_alone
     assert!(matches!(&ev[..], [Event::Aborted { req_id, captured: 4, prompt_len: 5, .. }] if req_id == "a"), "{ev:?}");
     assert!(t.commit().unwrap().is_empty(), "no sample for a");
     assert_eq!(t.live_requests(), 0);
+}
+
+#[test]
+fn a_refused_request_is_never_captured_and_ends_without_an_event() {
+    let mut t = Tracker::new();
+    let mut first = step(vec![new("r", 5, 0, None), new("b", 2, 0, None)], vec![], &[("r", 3), ("b", 2)]);
+    first.with_outputs = ids(&["r"]);
+    first.refused = ids(&["r"]);
+    assert!(t.begin_step(first).unwrap().is_empty(), "no Opened: nothing is promised for it");
+    let plan = t.plan(&ids(&["r", "b"])).unwrap().clone();
+    assert_eq!(plan.segments.iter().map(|s| s.req_id.as_str()).collect::<Vec<_>>(), ["b"]);
+    assert_eq!(plan.segments[0].src_row, 3, "its scheduled tokens still occupy their rows of the step");
+    assert_eq!(completed(&t.commit().unwrap()).len(), 1);
+    // The rest of its prompt (chunked), a preemption back to 0, decode: never a row.
+    for (pos, n) in [(3, 2), (0, 5), (5, 1)] {
+        t.begin_step(step(vec![], vec![cached("r", pos)], &[("r", n)])).unwrap();
+        assert!(t.plan(&ids(&["r"])).unwrap().segments.is_empty());
+        assert!(t.commit().unwrap().is_empty());
+    }
+    // It finishes; the scheduler may still send its tokens (it answers by its own rule): no event, no error.
+    let ev = t.begin_step(finish(&["r"], vec![("r", (100..106).collect())])).unwrap();
+    assert!(ev.is_empty(), "{ev:?}");
+    assert_eq!(t.live_requests(), 1, "only b's track is left... until b is retired");
 }

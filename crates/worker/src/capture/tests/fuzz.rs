@@ -111,7 +111,7 @@ proptest! {
                 if reqs[r].announced {
                     cached.push(CachedRequest { req_id: id.clone(), num_computed_tokens: start, resumed: false });
                 } else {
-                    new_requests.push(NewRequest { req_id: id.clone(), prompt_token_ids: (0..reqs[r].len as i64).collect(), num_computed_tokens: 0, sample: Some(r as u64), loss_mask: None });
+                    new_requests.push(NewRequest { req_id: id.clone(), prompt_token_ids: (0..reqs[r].len as i64).collect(), num_computed_tokens: 0, sample: Some(r as u64), loss_mask: None, max_tokens: None });
                     reqs[r].announced = true;
                     if reqs[r].with_outputs {
                         with_outputs.push(id.clone());
@@ -129,7 +129,7 @@ proptest! {
                 seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 order.swap(i, (seed >> 33) as usize % (i + 1));
             }
-            let input = StepInput { new_requests, cached_requests: cached, num_scheduled: sched.clone(), total_tokens: total, finished: std::mem::take(&mut pending_finished), preempted: vec![], with_outputs, outputs };
+            let input = StepInput { new_requests, cached_requests: cached, num_scheduled: sched.clone(), total_tokens: total, finished: std::mem::take(&mut pending_finished), preempted: vec![], with_outputs, outputs, refused: vec![] };
             s.begin_step(input).unwrap();
             if total > 0 {
                 s.plan(&order).unwrap();

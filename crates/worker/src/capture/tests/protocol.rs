@@ -30,6 +30,7 @@ fn step(reqs: &[(&str, usize, usize)], with_outputs: &[&str]) -> StepInput {
                 num_computed_tokens: 0,
                 sample: Some(i as u64),
                 loss_mask: None,
+                max_tokens: None,
             })
             .collect(),
         num_scheduled: reqs.iter().map(|&(id, _, n)| (id.to_string(), n)).collect(),

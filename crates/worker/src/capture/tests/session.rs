@@ -48,6 +48,7 @@ pub(super) fn req(id: &str, len: usize, sample: u64) -> NewRequest {
         num_computed_tokens: 0,
         sample: Some(sample),
         loss_mask: None,
+        max_tokens: None,
     }
 }
 

@@ -34,6 +34,7 @@ fn step_input(step: usize) -> StepInput {
         num_computed_tokens: 0,
         sample: Some(step as u64),
         loss_mask: None,
+        max_tokens: None,
     }];
     StepInput { new_requests: new, num_scheduled: vec![(format!("r{step}"), 5)], total_tokens: 5, ..Default::default() }
 }

@@ -16,7 +16,9 @@ static_checks() {
   make -s lint VENV="$VENV"
   echo "[test] cargo test (the CUDA kernels compiled by PyPI's NVRTC where setup.sh installed it)"
   NVRTC=$("$VENV/bin/python" -c "import os, nvidia.cu13 as m; print(os.path.join(m.__path__[0], 'lib'))" 2>/dev/null || true)
-  LD_LIBRARY_PATH="${NVRTC}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" cargo test --workspace -q
+  # Where setup installed NVRTC the kernels must compile: a lost library fails the test instead of skipping it.
+  HSCAPTURE_REQUIRE_NVRTC=$([ -n "$NVRTC" ] && echo 1 || echo 0) \
+    LD_LIBRARY_PATH="${NVRTC}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" cargo test --workspace -q
   # The GPU suite skips here; collecting it imports every one of its modules (a renamed import fails CI, not the H200).
   echo "[test] pytest --collect-only tests/gpu"
   "$VENV/bin/python" -m pytest --collect-only -q -p no:cacheprovider tests/gpu | tail -1

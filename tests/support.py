@@ -49,3 +49,35 @@ def moe_float32_runs() -> bool:
 
 def speculators_generator_runs() -> bool:
     return vllm_version() < (0, 17)
+
+
+def new_req(rid: str, ids: list[int], sample: int | None, computed: int = 0, max_tokens: int | None = None):
+    """A new request as vLLM's scheduler output carries it (``NewRequestData``): the one fake every suite uses."""
+    from types import SimpleNamespace
+
+    from hscapture.adapters.vllm_compat import SAMPLE_KEY
+
+    return SimpleNamespace(
+        req_id=rid,
+        prompt_token_ids=ids,
+        num_computed_tokens=computed,
+        sampling_params=SimpleNamespace(extra_args={SAMPLE_KEY: sample}, max_tokens=max_tokens),
+    )
+
+
+def sched(new=(), cached=(), n=None, finished=(), resumed=()):
+    """A scheduler output (``SchedulerOutput``): ``new`` from ``new_req``, ``cached`` as (id, computed tokens),
+    ``n`` the tokens scheduled per request."""
+    from types import SimpleNamespace
+
+    cached = list(cached)
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[c[0] for c in cached], num_computed_tokens=[c[1] for c in cached], resumed_req_ids=set(resumed)
+        ),
+        num_scheduled_tokens=dict(n or {}),
+        total_num_scheduled_tokens=sum((n or {}).values()),
+        finished_req_ids=set(finished),
+        preempted_req_ids=set(),
+    )

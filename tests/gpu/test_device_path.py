@@ -9,39 +9,18 @@ import zlib
 import pytest
 import torch
 
+import support
 from hscapture import NonFiniteError, _native
-from hscapture.adapters.vllm_compat import step_args
+from hscapture.adapters.vllm_compat import step_of
 from hscapture.capture.cuda_libs import preload_nvrtc
+from support import sched
 
 pytestmark = pytest.mark.gpu
 H = 1000  # not a multiple of the block size: exercises the strided tail
 
 
-def sched(new=(), cached=(), n=None, finished=()):
-    from types import SimpleNamespace as NS
-
-    cached = list(cached)
-    return NS(
-        scheduled_new_reqs=list(new),
-        scheduled_cached_reqs=NS(
-            req_ids=[c[0] for c in cached], num_computed_tokens=[c[1] for c in cached], resumed_req_ids=set()
-        ),
-        num_scheduled_tokens=dict(n or {}),
-        total_num_scheduled_tokens=sum((n or {}).values()),
-        finished_req_ids=set(finished),
-        preempted_req_ids=set(),
-    )
-
-
 def new_req(rid, length, sample):
-    from types import SimpleNamespace as NS
-
-    return NS(
-        req_id=rid,
-        prompt_token_ids=list(range(length)),
-        num_computed_tokens=0,
-        sampling_params=NS(extra_args={"hscapture_sample": sample}),
-    )
+    return support.new_req(rid, list(range(length)), sample)
 
 
 def make_steps(seed: int, n_req: int = 12, budget: int = 96):
@@ -77,7 +56,7 @@ def make_steps(seed: int, n_req: int = 12, budget: int = 96):
 def run(session, steps, tensors, device: bool):
     outcomes = []
     for so, order in steps:
-        outcomes += session.begin_step(*step_args(so))
+        outcomes += session.begin_step(step_of(so))
         session.plan(order)
         for slot in range(len(session.layer_ids)):
             h, r = tensors(so.total_num_scheduled_tokens, slot)
@@ -161,7 +140,7 @@ def test_a_step_in_flight_is_not_overwritten_by_the_next(overlap):
     stream = torch.cuda.current_stream().cuda_stream
     torch.cuda.synchronize()
     for k in range(steps):
-        s.begin_step(*step_args(sched(new=[new_req(f"r{k}", rows, k)], n={f"r{k}": rows})))
+        s.begin_step(step_of(sched(new=[new_req(f"r{k}", rows, k)], n={f"r{k}": rows})))
         s.plan([f"r{k}"])
         s.capture(0, states[k], None, stream)
         s.end_step()
@@ -177,7 +156,7 @@ def test_a_step_in_flight_is_not_overwritten_by_the_next(overlap):
 def test_non_finite_values_are_reported_from_the_device():
     s = _native.CaptureSession([2], "after", 4, H, "float16", "float16", assemble=True)
     s.enable_device(torch.cuda.current_device(), 64)
-    s.begin_step(*step_args(sched(new=[new_req("a", 4, 9)], n={"a": 4})))
+    s.begin_step(step_of(sched(new=[new_req("a", 4, 9)], n={"a": 4})))
     s.plan(["a"])
     h = torch.zeros(4, H, dtype=torch.float16, device="cuda")
     h[2, 5] = 60000.0

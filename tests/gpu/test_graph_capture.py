@@ -10,7 +10,7 @@ import torch
 from test_device_path import H, make_steps, run
 
 from hscapture import CompatibilityError, _native
-from hscapture.adapters.vllm_compat import step_args
+from hscapture.adapters.vllm_compat import step_of
 from hscapture.capture.cuda_libs import preload_nvrtc
 
 pytestmark = pytest.mark.gpu
@@ -63,7 +63,7 @@ def test_every_replay_stores_the_step_armed_before_it(overlap):
     got_out = []
     for k, (so, order) in enumerate(steps):
         n = so.total_num_scheduled_tokens
-        got_out += s.begin_step(*step_args(so))
+        got_out += s.begin_step(step_of(so))
         s.plan(order, stream)  # armed before the forward, as hscapture's wrapper of the runner's step preparation does
         for slot in range(3):
             static[slot].normal_()  # padding rows hold garbage, as a padded batch does
@@ -89,7 +89,7 @@ def test_a_graph_without_a_slots_launch_fails_the_step_naming_it():
     stream = torch.cuda.current_stream().cuda_stream
     from test_device_path import new_req, sched
 
-    s.begin_step(*step_args(sched(new=[new_req("a", 10, 0)], n={"a": 10})))
+    s.begin_step(step_of(sched(new=[new_req("a", 10, 0)], n={"a": 10})))
     s.plan(["a"], stream)
     g.replay()
     s.end_step()

@@ -17,7 +17,7 @@ import pytest
 import torch
 from connector_support import SEQUENTIAL, load, serve, speculators
 
-from hscapture.testing import mooncake_master as mm
+import mooncake_master as mm
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(mm.available() is not None, reason=str(mm.available()))]
 

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_session import sched
 
 from hscapture import _native, load_sample
-from hscapture.adapters.vllm_compat import LOSS_MASK_KEY, SAMPLE_KEY, step_args
+from hscapture.adapters.vllm_compat import LOSS_MASK_KEY, SAMPLE_KEY, step_of
 from hscapture.output import formats
+from support import sched
 
 H, N = 16, 3
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
@@ -45,7 +45,7 @@ def capture(root, masks=None, dtype="bfloat16"):
     states = {}
     for i, p in enumerate(PROMPTS):
         so = sched(new=[req(f"r{i}", p, i, masks.get(i))], n={f"r{i}": len(p)})
-        s.begin_step(*step_args(so))
+        s.begin_step(step_of(so))
         s.plan([f"r{i}"])
         g = torch.Generator().manual_seed(i)
         layers = [torch.randn(len(p), H, generator=g) for _ in LAYERS]

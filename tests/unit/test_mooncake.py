@@ -11,11 +11,12 @@ import time
 
 import pytest
 import torch
-from test_session import H, new_req, rows_tagged, run, sched
+from test_session import H, rows_tagged, run
 
+import mooncake_master as mm
 from hscapture import ConfigError, OutputError, _native
 from hscapture.output import mooncake
-from hscapture.testing import mooncake_master as mm
+from support import new_req, sched
 
 pytestmark = pytest.mark.skipif(mm.available() is not None, reason=str(mm.available()))
 

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hscapture import CompatibilityError, PeerFailedError
-from hscapture.capture.ranksync import RankSync, path_code
+from hscapture import CompatibilityError, PeerFailedError, _native
+from hscapture.capture.ranksync import RankSync
 
 
 class PeersTP:
@@ -26,7 +26,7 @@ class Rank:
         self.sync, self.path, self.overlap = RankSync(tp), path, overlap
 
     def _agree_on_path(self, failure=None):
-        self.sync.agree_on_path(self.path, self.overlap, failure)
+        return self.sync.agree_on_path(self.path, self.overlap, failure)
 
 
 def capture(tp, path, overlap=False):
@@ -34,13 +34,21 @@ def capture(tp, path, overlap=False):
 
 
 def code(path, overlap=False):
-    return path_code(path, overlap)
+    return _native.path_code(path, overlap)
 
 
 def test_ranks_on_the_same_path_agree():
-    capture(PeersTP([code("device", True)] * 3), "device", True)._agree_on_path()
-    capture(PeersTP([code("none")]), "none", True)._agree_on_path()  # overlap means nothing without the device path
-    capture(SimpleNamespace(size=1, rank=0), "host")._agree_on_path()
+    """They meet (one all-gather of their path codes) and go on; overlap means nothing without the device path;
+    one rank meets nobody."""
+    for path, overlap, peer in [("device", True, code("device", 1)), ("none", True, code("none", False))]:
+        tp = PeersTP([peer] * 3)
+        gathered = []
+        tp.all_gather_i64 = lambda v, tp=tp, gathered=gathered: gathered.append(v) or [v, *tp.peers]
+        assert capture(tp, path, overlap)._agree_on_path() is None
+        assert gathered == [peer], "this rank sent its own path's code, equal to its peers'"
+    alone = SimpleNamespace(size=1, rank=0, all_gather_i64=lambda v: pytest.fail("one rank gathers nothing"))
+    capture(alone, "host")._agree_on_path()
+    assert len({code("device", 0), code("device", 1), code("host", 1), code("none", 0), code("failed", 0)}) == 5
 
 
 @pytest.mark.parametrize(

@@ -10,10 +10,11 @@ import threading
 import pytest
 import torch
 from test_rpc import Worker
-from test_session import H, new_req, rows_tagged, sched
+from test_session import H, rows_tagged
 
 from hscapture import HscaptureError, OutputError, RankMismatchError, ShapeContractError
 from hscapture.output import failures
+from support import new_req, sched
 
 
 class Exchange:

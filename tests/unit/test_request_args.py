@@ -8,13 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from hscapture import _native
 from hscapture.adapters.vllm_compat import (
     LOSS_MASK_KEY,
     SAMPLE_KEY,
     include_output_tokens,
     loss_mask,
     sample_index,
-    step_args,
+    step_of,
 )
 
 
@@ -57,7 +58,7 @@ def test_include_output_tokens_is_json_true_only(params, want):
 
 
 def test_a_step_with_hostile_arguments_becomes_plain_arguments():
-    """The scheduler output of a step whose new request sent garbage: step_args does not raise."""
+    """The scheduler output of a step whose new request sent garbage: step_of does not raise."""
     new = SimpleNamespace(
         req_id="cmpl-x",
         prompt_token_ids=[1, 2, 3],
@@ -74,8 +75,9 @@ def test_a_step_with_hostile_arguments_becomes_plain_arguments():
         finished_req_ids=set(),
         kv_connector_metadata=None,
     )
-    args = step_args(so)
-    assert args[0][0] == ("cmpl-x", [1, 2, 3], 0, None, None, 5)
+    step = step_of(so)
+    assert step.new_requests == [_native.NewRequest("cmpl-x", [1, 2, 3], 0, max_tokens=5)]
+    assert step.new_requests[0].sample is None and step.new_requests[0].loss_mask is None
 
 
 def test_the_scheduler_refuses_a_growing_sample_by_the_workers_rule():

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_session import H, new_req, rows_tagged, sched
+from test_session import H, rows_tagged
 
 from hscapture import AttributionError, ConfigError, ShapeContractError, _native
 from hscapture.adapters.vllm_compat import RunnerOrder
@@ -14,6 +14,7 @@ from hscapture.capture.ranksync import RankSync
 from hscapture.capture.worker_capture import WorkerCapture
 from hscapture.config import CaptureConfig
 from hscapture.rpc import HiddenStatesRPC
+from support import new_req, sched
 
 
 class Runner:

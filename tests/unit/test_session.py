@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,32 +18,10 @@ from hscapture import (
     load_manifest,
     load_sample,
 )
-from hscapture.adapters.vllm_compat import SAMPLE_KEY, step_args
+from hscapture.adapters.vllm_compat import SAMPLE_KEY, step_of
+from support import new_req, sched
 
 H = 8
-
-
-def new_req(rid, ids, sample, computed=0):
-    return SimpleNamespace(
-        req_id=rid,
-        prompt_token_ids=ids,
-        num_computed_tokens=computed,
-        sampling_params=SimpleNamespace(extra_args={SAMPLE_KEY: sample}),
-    )
-
-
-def sched(new=(), cached=(), n=None, finished=(), resumed=()):
-    cached = list(cached)
-    return SimpleNamespace(
-        scheduled_new_reqs=list(new),
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[c[0] for c in cached], num_computed_tokens=[c[1] for c in cached], resumed_req_ids=set(resumed)
-        ),
-        num_scheduled_tokens=dict(n or {}),
-        total_num_scheduled_tokens=sum((n or {}).values()),
-        finished_req_ids=set(finished),
-        preempted_req_ids=set(),
-    )
 
 
 def session(tmp_path=None, layers=(1, 3), assemble=True):
@@ -62,7 +39,7 @@ def session(tmp_path=None, layers=(1, 3), assemble=True):
 
 def run(s, so, order, make):
     """One step: every slot sees `make(slot, rows)` as hidden states and ones as residual."""
-    s.begin_step(*step_args(so))
+    s.begin_step(step_of(so))
     s.plan(order)
     total = so.total_num_scheduled_tokens
     for slot in range(len(s.layer_ids)):
@@ -129,7 +106,7 @@ def test_writer_files_and_manifest(tmp_path):
 
 def test_contract_errors_are_typed():
     s = session()
-    s.begin_step(*step_args(sched(new=[new_req("a", [1, 2, 3], 0)], n={"a": 3})))
+    s.begin_step(step_of(sched(new=[new_req("a", [1, 2, 3], 0)], n={"a": 3})))
     s.plan(["a"])
     with pytest.raises(ShapeContractError, match=r"expected hidden size 8"):
         s.capture(0, torch.zeros(3, 4))
@@ -147,17 +124,18 @@ def test_contract_errors_are_typed():
 def test_attribution_errors_are_typed():
     s = session()
     with pytest.raises(AttributionError, match="prefix caching"):
-        s.begin_step(*step_args(sched(new=[new_req("a", [1, 2, 3, 4], 0, computed=2)], n={"a": 2})))
+        s.begin_step(step_of(sched(new=[new_req("a", [1, 2, 3, 4], 0, computed=2)], n={"a": 2})))
     s = session()
-    s.begin_step(*step_args(sched(new=[new_req("a", [1, 2], 0)], n={"a": 2})))
+    s.begin_step(step_of(sched(new=[new_req("a", [1, 2], 0)], n={"a": 2})))
     with pytest.raises(AttributionError, match="did not schedule"):
         s.plan(["z"])
 
 
 def test_rank_mismatch_names_ranks():
-    _native.CaptureSession.verify_ranks(3, "tensor-parallel", [5, 5])
-    with pytest.raises(RankMismatchError, match=r"ranks \[1\] disagree with rank 0"):
-        _native.CaptureSession.verify_ranks(3, "tensor-parallel", [5, -5])
+    with pytest.raises(RankMismatchError, match=r"step 3: .*ranks \[1\] disagree with rank 0"):
+        _native.compare_steps("tensor-parallel", [(2, [7, 7]), (3, [5, -5])])
+    with pytest.raises(RankMismatchError, match="no single step's checksum did"):
+        _native.compare_steps("tensor-parallel", [(3, [5, 5])])
 
 
 def test_non_writing_rank_checksums_match_the_writer():
@@ -168,7 +146,7 @@ def test_non_writing_rank_checksums_match_the_writer():
 
 
 def test_real_vllm_scheduler_output_shape():
-    """step_args reads vLLM's own dataclasses (feature-detected fields)."""
+    """step_of reads vLLM's own dataclasses (feature-detected fields)."""
     out = pytest.importorskip("vllm.v1.core.sched.output")
     import dataclasses
 
@@ -199,7 +177,10 @@ def test_real_vllm_scheduler_output_shape():
         total_num_scheduled_tokens=3,
         finished_req_ids=set(),
     )
-    assert step_args(so) == ([("r0", [5, 6, 7], 0, 4, None, 1)], [], [("r0", 3)], 3, [], [], [], [])
+    step = step_of(so)
+    assert step.new_requests == [_native.NewRequest("r0", [5, 6, 7], 0, sample=4, max_tokens=1)]
+    assert (step.cached_requests, step.scheduled, step.total_tokens) == ([], [("r0", 3)], 3)
+    assert (step.finished, step.preempted, step.with_outputs, step.outputs) == ([], [], [], [])
 
 
 def test_worker_errors_cross_to_the_driver_typed(tmp_path):

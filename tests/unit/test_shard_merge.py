@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from hscapture import ConfigError, OutputError, _native
 from hscapture.cli.merge import run_merge
 from hscapture.cli.shard import Shard, ShardInfo, check_resume
+from support import new_req, sched
 
 ROWS, H = 5, 8
 
@@ -145,9 +146,7 @@ def test_merge_checks_file_sizes_against_the_manifest(tmp_path):
 
 
 def test_merge_legacy_shards(tmp_path):
-    from types import SimpleNamespace
-
-    from hscapture.adapters.vllm_compat import SAMPLE_KEY, step_args
+    from hscapture.adapters.vllm_compat import step_of
     from hscapture.output import formats
 
     dirs = []
@@ -164,21 +163,8 @@ def test_merge_legacy_shards(tmp_path):
             output=_native.Output(str(root), durable=False, format="legacy", model="/models/tiny"),
         )
         for i in range(k, ROWS, 2):
-            r = SimpleNamespace(
-                req_id=f"r{i}",
-                prompt_token_ids=list(range(i + 1)),
-                num_computed_tokens=0,
-                sampling_params=SimpleNamespace(extra_args={SAMPLE_KEY: i}),
-            )
-            so = SimpleNamespace(
-                scheduled_new_reqs=[r],
-                num_scheduled_tokens={f"r{i}": i + 1},
-                total_num_scheduled_tokens=i + 1,
-                scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], resumed_req_ids=set()),
-                finished_req_ids=set(),
-                preempted_req_ids=set(),
-            )
-            s.begin_step(*step_args(so))
+            so = sched(new=[new_req(f"r{i}", list(range(i + 1)), i)], n={f"r{i}": i + 1})
+            s.begin_step(step_of(so))
             s.plan([f"r{i}"])
             for slot in range(2):
                 s.capture(slot, float(i) + torch.arange(i + 1, dtype=torch.float32).view(-1, 1).expand(i + 1, H))

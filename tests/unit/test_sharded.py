@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from test_rpc import Worker
-from test_session import new_req, rows_tagged, sched
+from test_session import rows_tagged
 
 from hscapture import ShapeContractError, _native
+from support import new_req, sched
 
 
 class ShardedTP:

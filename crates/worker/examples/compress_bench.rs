@@ -7,8 +7,8 @@
 
 use std::time::Instant;
 
-use hscapture_worker::output::compress::{decode, encode};
-use hscapture_worker::output::format::read_sample_file;
+use hscapture_worker::output::formats::compress::{decode, encode};
+use hscapture_worker::output::formats::read_sample_file;
 
 fn main() {
     let mut args = std::env::args().skip(1);

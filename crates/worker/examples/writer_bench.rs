@@ -14,13 +14,13 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use hscapture_kernels::DType;
-use hscapture_worker::attribution::plan::SampleKey;
 use hscapture_worker::failure::Failure;
-use hscapture_worker::output::format::by_name;
-use hscapture_worker::output::record::Identity;
-use hscapture_worker::output::sample::Sample;
-use hscapture_worker::output::sink::FileSink;
-use hscapture_worker::output::writer::{Writer, WriterConfig};
+use hscapture_worker::output::formats::by_name;
+use hscapture_worker::output::ledger::record::Identity;
+use hscapture_worker::output::sinks::sink::FileSink;
+use hscapture_worker::output::sinks::writer::{Writer, WriterConfig};
+use hscapture_worker::sample::Sample;
+use hscapture_worker::sample::SampleKey;
 
 const SLOTS: usize = 4;
 const WIDTH: usize = 4096;

@@ -7,7 +7,9 @@
 //! - [`capture`]: the step protocol (contract, accounting, step buffers, device steps, scatter);
 //! - [`output`]: what a finished sample becomes (formats, the writer, atomic files, manifest, verify);
 //! - [`attribution`]: which rows of a step are whose, and which layers are captured where;
-//! - [`ranks`]: what crosses ranks (checksums, the residual's row layout, pipeline-stage messages);
+//! - [`ranks`]: what crosses ranks (the ranks' agreement, checksums, the residual's row layout, pipeline-stage
+//!   messages);
+//! - [`sample`]: what both sides share: a sample, its key, its buffers, the degenerate-states check;
 //! - [`error`], [`failure`]: the one error type and a capture's one failure flag.
 
 pub mod attribution;
@@ -16,6 +18,7 @@ pub mod error;
 pub mod failure;
 pub mod output;
 pub mod ranks;
+pub mod sample;
 pub mod worker;
 
 #[cfg(feature = "python")]

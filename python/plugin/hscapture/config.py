@@ -42,11 +42,11 @@ class CaptureConfig:
     out: str | None = None
     dtype: str = "auto"
     writer_threads: int = field(default_factory=default_writer_threads)
-    writer_queue: int = 8
+    writer_queue: int = _native.DEFAULTS["writer_queue"]
     durable: bool | str = True  # or _native.DURABLE_WRITEBACK
     on_nonfinite: str = "error"
     compress: int = 0
-    format: str = "hscapture"
+    format: str = _native.DEFAULTS["format"]
     model_name: str = ""
     staging: bool = False  # per-request files a client collects (the KV connector, connector.py)
     mooncake: dict[str, Any] | None = None  # per-request objects in a Mooncake store instead (mooncake.py)

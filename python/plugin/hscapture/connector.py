@@ -8,7 +8,7 @@
                              "format": "file"}}'
 
 The capture is ``CaptureWorker``'s, as always (hooks, attribution, the contract, the TP check); the connector tells
-the workers to write per-request files (``DIR/<request id>.safetensors``, ``output/staging.rs``) and answers each
+the workers to write per-request files (``DIR/<request id>.safetensors``, ``output/sinks/staging.rs``) and answers each
 finished request with ``kv_transfer_params = {"hidden_states_path": ...}``. The writing worker holds
 ``<path>.lock`` from the step in which the request's prompt completes — before vLLM can answer it — until the file
 is renamed into place, so a client that waits for the lock (speculators does) reads a whole file. A capture that
@@ -44,7 +44,7 @@ class HscaptureMetadata(KVConnectorMetadata):
     """What the scheduler tells the workers each step: the token ids (all but the last: every token that went
     through a forward) of the requests that capture their generated tokens and finished since the last step."""
 
-    hscapture = True  # read by vllm_compat.step_args without importing this module
+    hscapture = True  # read by vllm_compat.step_of without importing this module
 
     def __init__(self, outputs: dict[str, list[int]] | None = None) -> None:
         self.outputs = outputs or {}

@@ -73,7 +73,7 @@ REGISTRY: dict[str, EnvVar] = {
         EnvVar(
             "HSCAPTURE_WRITER_QUEUE",
             "int",
-            "8",
+            str(_native.DEFAULTS["writer_queue"]),
             "Samples waiting for the writer before capture blocks (backpressure; bounds host memory).",
         ),
         EnvVar(
@@ -96,7 +96,7 @@ REGISTRY: dict[str, EnvVar] = {
         EnvVar(
             "HSCAPTURE_FORMAT",
             "str",
-            "hscapture",
+            _native.DEFAULTS["format"],
             "Sample format, one of "
             + ", ".join(f"`{f['name']}` (`OUT/{f['file_pattern']}`)" for f in _native.formats())
             + f" (the core's list); the KV connector also takes `{_native.STORE_FORMAT}` (objects in a Mooncake store, "
@@ -135,7 +135,7 @@ REGISTRY: dict[str, EnvVar] = {
         EnvVar(
             "HSCAPTURE_STAGING_BACKLOG_MIB",
             "int",
-            "2048",
+            str(_native.DEFAULTS["staging_backlog_mib"]),
             "KV connector: at most this many MiB of finished samples wait for their files when a step ends; beyond "
             "it the step waits for the writer, so a response's file follows it within the time this backlog takes to "
             "write (speculators' client gives up waiting for a file's lock after 10 s).",
@@ -143,7 +143,7 @@ REGISTRY: dict[str, EnvVar] = {
         EnvVar(
             "HSCAPTURE_STAGING_COLLECT_S",
             "int",
-            "600",
+            str(_native.DEFAULTS["staging_collect_s"]),
             "KV connector: seconds a client has to collect its file (speculators' client moves it at once); a sweep of "
             "the staging directory (every 30 s) removes older files, lock files and stray partial files that no "
             "process holds, and logs what it removed.",
@@ -151,7 +151,7 @@ REGISTRY: dict[str, EnvVar] = {
         EnvVar(
             "HSCAPTURE_MAX_GROWING_SAMPLE_MIB",
             "int",
-            "4096",
+            str(_native.DEFAULTS["max_growing_sample_mib"]),
             "KV connector with `include_output_tokens`: the most MiB one request's sample (prompt and generated tokens) "
             "may take; a request whose prompt and `max_tokens` could exceed it is refused at admission: nothing of it "
             "is captured, its answer carries `hidden_states_error` and no path, and the worker logs why.",

@@ -24,24 +24,9 @@
 
 use std::collections::{HashMap, HashSet};
 
+use crate::sample::SampleKey;
 use crate::{bail, core_err, ensure, error::CoreResult};
 use hscapture_kernels::RowRun;
-
-/// How a finished sample is named: by its index in the input (`hs_{i}`) or by vLLM's request id.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum SampleKey {
-    Index(u64),
-    Request(String),
-}
-
-impl std::fmt::Display for SampleKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            SampleKey::Index(i) => write!(f, "sample {i}"),
-            SampleKey::Request(r) => write!(f, "request {r:?}"),
-        }
-    }
-}
 
 /// A request the scheduler sends for the first time (or again, in some vLLM versions, after
 /// preemption).
@@ -189,16 +174,6 @@ impl Tracker {
     /// Prompt rows captured so far for `req_id` (None if unknown).
     pub fn captured(&self, req_id: &str) -> Option<usize> {
         self.reqs.get(req_id).map(|t| t.captured)
-    }
-
-    /// Prompt length of `req_id` (None if unknown).
-    pub fn prompt_len(&self, req_id: &str) -> Option<usize> {
-        self.reqs.get(req_id).map(|t| t.prompt_len)
-    }
-
-    /// The sample key of `req_id` (None if unknown).
-    pub fn sample(&self, req_id: &str) -> Option<&SampleKey> {
-        self.reqs.get(req_id).map(|t| &t.sample)
     }
 
     /// Applies a step's scheduler output: retires finished requests, registers new ones and decides

@@ -7,11 +7,12 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::attribution::plan::{Event, SampleKey, StepPlan};
+use crate::attribution::plan::{Event, StepPlan};
 use crate::capture::contract::slot_name;
 use crate::capture::rows::{step_checksum, StepRows};
 use crate::capture::scatter::{Completion, ScatterJob};
 use crate::capture::step::{SessionConfig, SessionStats, StepOutcome};
+use crate::sample::SampleKey;
 use crate::{bail, ensure, error::CoreResult};
 
 #[derive(Default)]

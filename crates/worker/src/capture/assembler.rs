@@ -32,8 +32,8 @@ use crate::capture::device::PinnedStep;
 use crate::capture::rows::StepRows;
 use crate::capture::scatter::{Scatter, ScatterJob};
 use crate::failure::Failure;
-use crate::output::sample::Sample;
-use crate::output::writer::Submitter;
+use crate::output::sinks::writer::Submitter;
+use crate::sample::Sample;
 use crate::{core_err, error::CoreResult};
 
 /// What failed, in the capture's [`Failure`].

@@ -58,10 +58,6 @@ impl DeviceSteps {
         self.pending.len()
     }
 
-    pub fn backend(&mut self) -> &mut dyn DeviceBackend {
-        self.backend.as_mut()
-    }
-
     /// (device bytes, pinned host bytes) held.
     pub fn allocated(&self) -> (usize, usize) {
         self.backend.allocated()

@@ -1,9 +1,9 @@
-//! Samples refused for degenerate states (`output/degenerate.rs`): such a request fails alone, whichever thread
+//! Samples refused for degenerate states (`sample/degenerate.rs`): such a request fails alone, whichever thread
 //! assembled it, and a run of them is the capture's error (the scatter decides; this holds what it decided).
 
 use std::sync::{Arc, Mutex};
 
-use crate::attribution::plan::SampleKey;
+use crate::sample::SampleKey;
 
 /// A completed request whose sample is refused — its states are degenerate (all zeros, or one row for every token):
 /// it fails alone. A prompt can do that legitimately (untrained tokens whose embeddings are all zero stay zero

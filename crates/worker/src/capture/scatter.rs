@@ -10,12 +10,13 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::attribution::plan::{SampleKey, Segment};
+use crate::attribution::plan::Segment;
 pub use crate::capture::refusals::{Refusal, RefusalHook, Refusals, SYSTEMATIC};
 use crate::capture::rows::StepRows;
-use crate::output::degenerate::degenerate_slot;
-use crate::output::pool::BufferPool;
-use crate::output::sample::Sample;
+use crate::sample::degenerate::degenerate_slot;
+use crate::sample::pool::BufferPool;
+use crate::sample::Sample;
+use crate::sample::SampleKey;
 use crate::{ensure, error::CoreResult};
 use hscapture_kernels::DType;
 

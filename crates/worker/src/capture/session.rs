@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use crate::attribution::layers::CapturePoint;
-use crate::attribution::plan::{Event, SampleKey, StepInput, StepPlan, Tracker};
+use crate::attribution::plan::{Event, StepInput, StepPlan, Tracker};
 use crate::capture::accounting::Accounting;
 use crate::capture::contract::{check_layer, check_tensor, slot_name};
 use crate::capture::device::{DeviceBackend, PinnedStep};
@@ -28,9 +28,10 @@ pub use crate::capture::step::{Aborted, SessionConfig, SessionStats, StepOutcome
 use crate::capture::step_buffers::StepBuffers;
 use crate::capture::tensor::{Device, TensorDesc};
 use crate::failure::Failure;
-use crate::output::pool::BufferPool;
-use crate::output::sample::Sample;
-use crate::output::writer::Submitter;
+use crate::output::sinks::writer::Submitter;
+use crate::sample::pool::BufferPool;
+use crate::sample::Sample;
+use crate::sample::SampleKey;
 use crate::{bail, ensure, error::CoreResult};
 
 pub struct Session {

@@ -1,8 +1,8 @@
 //! What the step protocol is configured with and what it reports per step.
 
 use crate::attribution::layers::LayerPlan;
-use crate::attribution::plan::SampleKey;
-use crate::output::sample::Sample;
+use crate::sample::Sample;
+use crate::sample::SampleKey;
 use hscapture_kernels::DType;
 
 /// What a session captures and how.

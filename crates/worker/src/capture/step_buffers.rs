@@ -17,9 +17,9 @@ use crate::capture::device_steps::DeviceSteps;
 use crate::capture::scatter::{Geometry, Refusals, Scatter, ScatterJob};
 use crate::capture::tensor::TensorDesc;
 use crate::failure::Failure;
-use crate::output::pool::BufferPool;
-use crate::output::sample::Sample;
-use crate::output::writer::Submitter;
+use crate::output::sinks::writer::Submitter;
+use crate::sample::pool::BufferPool;
+use crate::sample::Sample;
 use crate::{bail, ensure, error::CoreResult};
 use hscapture_kernels::{capture_rows, RowRun};
 

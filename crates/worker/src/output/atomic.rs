@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::CoreResult;
-use crate::output::record::checksum_text;
+use crate::output::ledger::record::checksum_text;
 
 static COUNTER: AtomicU64 = AtomicU64::new(0);
 

@@ -11,9 +11,9 @@ use pyo3::types::{PyDict, PyList};
 use super::errors::guard;
 use super::tensor::parse_dtype;
 use crate::attribution::layers::Convention;
-use crate::output::format::{all, by_name, canonical, Descriptor};
-use crate::output::record::Identity;
-use crate::worker::GrowingBound;
+use crate::output::formats::{all, by_name, canonical, Descriptor};
+use crate::output::ledger::record::Identity;
+use crate::worker::{defaults, GrowingBound};
 
 /// Every format's descriptor, in the order they are listed to users.
 #[pyfunction]
@@ -101,13 +101,18 @@ fn capture_identity<'py>(
         };
         let convention = Convention::parse(convention)?.name().to_string();
         let id = Identity { format: f.name().into(), model, layer_ids, convention, dtype: stored, hidden_size, num_hidden_layers };
-        let out = PyDict::new(py);
-        let json = serde_json::to_value(&id).map_err(|e| crate::core_err!(Output, "the identity: {e}"))?;
-        for (k, v) in json.as_object().into_iter().flatten() {
-            out.set_item(k, pythonize(py, v)?)?;
-        }
-        Ok(out)
+        identity_dict(py, &id)
     })
+}
+
+/// An identity as the dict its JSON is.
+pub(super) fn identity_dict<'py>(py: Python<'py>, id: &Identity) -> PyResult<Bound<'py, PyDict>> {
+    let out = PyDict::new(py);
+    let json = serde_json::to_value(id).map_err(|e| crate::core_err!(Output, "the identity: {e}"))?;
+    for (k, v) in json.as_object().into_iter().flatten() {
+        out.set_item(k, pythonize(py, v)?)?;
+    }
+    Ok(out)
 }
 
 fn pythonize<'py>(py: Python<'py>, v: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
@@ -146,7 +151,7 @@ fn growing_sample_refusal(
 ) -> PyResult<Option<String>> {
     guard("growing_sample_refusal", || {
         // An object store keeps the states as captured (the plain format's rows), as the workers size them.
-        let f = by_name(if format == crate::worker::STORE_FORMAT { "hscapture" } else { format }, None)?;
+        let f = by_name(if format == crate::worker::STORE_FORMAT { defaults::FORMAT } else { format }, None)?;
         let row_bytes = f.stored_row_bytes(slots, width, parse_dtype(dtype, "dtype")?);
         let bound = GrowingBound::new(max_mib.saturating_mul(1 << 20), row_bytes);
         Ok(bound.refusal(req_id, prompt_len, max_tokens))
@@ -154,10 +159,17 @@ fn growing_sample_refusal(
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let levels = crate::output::compress::LEVELS;
+    let levels = crate::output::formats::compress::LEVELS;
     m.add("COMPRESS_LEVELS", (*levels.start(), *levels.end()))?;
-    m.add("WRITER_LOCK", crate::output::dirlock::FILE)?;
+    m.add("WRITER_LOCK", crate::output::sinks::dirlock::FILE)?;
     m.add("STORE_FORMAT", crate::worker::STORE_FORMAT)?;
+    let d = PyDict::new(m.py());
+    d.set_item("format", defaults::FORMAT)?;
+    d.set_item("writer_queue", defaults::WRITER_QUEUE)?;
+    d.set_item("staging_backlog_mib", defaults::STAGING_BACKLOG_MIB)?;
+    d.set_item("staging_collect_s", defaults::STAGING_COLLECT_S)?;
+    d.set_item("max_growing_sample_mib", defaults::MAX_GROWING_SAMPLE_MIB)?;
+    m.add("DEFAULTS", d)?;
     m.add("DURABLE_WRITEBACK", crate::output::atomic::Durability::WRITEBACK)?;
     m.add_function(wrap_pyfunction!(formats, m)?)?;
     m.add_function(wrap_pyfunction!(growing_sample_refusal, m)?)?;

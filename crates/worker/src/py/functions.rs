@@ -7,13 +7,13 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use super::errors::guard;
-use super::session::record_dict;
 use crate::attribution::layers::{default_ids, CapturePoint, Convention, LayerPlan};
 use crate::core_err;
 use crate::output::atomic::write_atomic;
-use crate::output::format::read_sample_file;
-use crate::output::manifest::Manifest;
-use crate::output::record::{file_checksum, Identity};
+use crate::output::formats::read_sample_file;
+use crate::output::ledger::manifest::Manifest;
+use crate::output::ledger::record::SampleRecord;
+use crate::output::ledger::record::{file_checksum, Identity};
 
 /// Capture points in slot order: `("embeddings", 0)` or `("layer_output", k)`.
 pub fn points(plan: &LayerPlan) -> Vec<(&'static str, usize)> {
@@ -81,8 +81,8 @@ fn encode_sample<'py>(
     guard("encode_sample", || {
         let identity: Identity =
             serde_json::from_str(identity_json).map_err(|e| core_err!(Config, "encode_sample: the identity is not valid ({e})"))?;
-        let sample = crate::output::sample::Sample {
-            key: crate::attribution::plan::SampleKey::Index(0),
+        let sample = crate::sample::Sample {
+            key: crate::sample::SampleKey::Index(0),
             req_id: String::new(),
             token_ids,
             data: data.to_vec(),
@@ -93,7 +93,7 @@ fn encode_sample<'py>(
             loss_mask: None,
             scales: None,
         };
-        let f = crate::output::format::by_name(format, None)?;
+        let f = crate::output::formats::by_name(format, None)?;
         let bytes = py.detach(|| f.encode(&sample, &identity).map(|parts| parts.concat()))?;
         Ok(PyBytes::new(py, &bytes))
     })
@@ -146,7 +146,7 @@ fn checksum(data: &[u8]) -> PyResult<String> {
 #[pyfunction]
 fn verify_dir(py: Python<'_>, root: PathBuf) -> PyResult<(usize, u64, u64, Vec<String>)> {
     guard("verify_dir", || {
-        let r = py.detach(|| crate::output::verify::verify_dir(&root))?;
+        let r = py.detach(|| crate::output::readers::verify::verify_dir(&root))?;
         Ok((r.samples, r.tokens, r.bytes, r.problems))
     })
 }
@@ -158,7 +158,7 @@ fn verify_dir(py: Python<'_>, root: PathBuf) -> PyResult<(usize, u64, u64, Vec<S
 fn resume_plan<'py>(py: Python<'py>, root: PathBuf, identity: &str) -> PyResult<(Bound<'py, PyDict>, Vec<String>, Option<String>)> {
     guard("resume_plan", || {
         let id: Identity = serde_json::from_str(identity).map_err(|e| core_err!(Config, "the capture identity is not valid: {e}"))?;
-        let plan = py.detach(|| crate::output::resume::plan(&root, &id))?;
+        let plan = py.detach(|| crate::output::readers::resume::plan(&root, &id))?;
         let d = PyDict::new(py);
         for (i, k) in plan.kept {
             d.set_item(i, (record_dict(py, &k.record)?, k.token_ids))?;
@@ -182,16 +182,16 @@ fn write_file(py: Python<'_>, path: PathBuf, data: &[u8], durable: bool) -> PyRe
 /// The file name a staging directory gives request `req_id`'s sample (`<id>.safetensors`, id made safe).
 #[pyfunction]
 fn staged_file_name(req_id: &str) -> PyResult<String> {
-    guard("staged_file_name", || Ok(crate::output::staging::file_name(req_id)))
+    guard("staged_file_name", || Ok(crate::output::sinks::staging::file_name(req_id)))
 }
 
 /// The transfer manifest (JSON text) of request `req_id`'s packed Mooncake object of `rows` tokens, `slots` layers
-/// of `width` values in `dtype` (`output/packed.rs`): what the connector answers before the object exists.
+/// of `width` values in `dtype` (`output/sinks/packed.rs`): what the connector answers before the object exists.
 #[pyfunction]
 #[pyo3(signature = (req_id, rows, slots, width, dtype, mode="prompt_only"))]
 fn packed_manifest(req_id: &str, rows: usize, slots: usize, width: usize, dtype: &str, mode: &str) -> PyResult<String> {
     guard("packed_manifest", || {
-        use crate::output::packed::{key_of, PackedLayout};
+        use crate::output::sinks::packed::{key_of, PackedLayout};
         let dtype = super::tensor::parse_dtype(dtype, "dtype")?;
         Ok(PackedLayout::of(rows, slots, width, dtype)?.manifest(&key_of(req_id), mode).to_string())
     })
@@ -236,27 +236,21 @@ fn _panic_for_test(msg: &str) -> PyResult<()> {
     guard("_panic_for_test", || -> PyResult<()> { std::panic::panic_any(msg.to_string()) })
 }
 
-/// Whether CUDA kernels can run here.
-#[pyfunction]
-fn cuda_available() -> PyResult<bool> {
-    guard("cuda_available", || Ok(hscapture_kernels::cuda::is_available()))
-}
-
-/// What the CUDA probe found, in words.
-#[pyfunction]
-fn cuda_probe() -> PyResult<String> {
-    guard("cuda_probe", || {
-        Ok(match hscapture_kernels::cuda::probe() {
-            hscapture_kernels::cuda::Availability::Devices(n) => format!("{n} CUDA device(s)"),
-            hscapture_kernels::cuda::Availability::Unavailable(why) => format!("CUDA not available here: {why}"),
-        })
-    })
+pub fn record_dict<'py>(py: Python<'py>, r: &SampleRecord) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("index", r.index)?;
+    d.set_item("request_id", r.request_id.clone())?;
+    d.set_item("file", &r.file)?;
+    d.set_item("length", r.length)?;
+    d.set_item("checksum", &r.checksum)?;
+    d.set_item("bytes", r.bytes)?;
+    Ok(d)
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add("MANIFEST_FORMAT", crate::output::manifest::FORMAT)?;
-    m.add("FILE_FORMAT", crate::output::safetensors::FILE_FORMAT)?;
-    m.add("JOURNAL", crate::output::journal::FILE)?;
+    m.add("MANIFEST_FORMAT", crate::output::ledger::manifest::FORMAT)?;
+    m.add("MANIFEST", crate::output::ledger::manifest::FILE)?;
+    m.add("JOURNAL", crate::output::ledger::journal::FILE)?;
     m.add_function(wrap_pyfunction!(validate_layers, m)?)?;
     m.add_function(wrap_pyfunction!(row_layout, m)?)?;
     m.add_function(wrap_pyfunction!(default_layers, m)?)?;
@@ -275,7 +269,5 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(packed_manifest, m)?)?;
     m.add_function(wrap_pyfunction!(encode_sample, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_probe, m)?)?;
     Ok(())
 }

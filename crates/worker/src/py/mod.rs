@@ -6,8 +6,10 @@ mod errors;
 mod facts;
 mod functions;
 mod output;
+mod ranks;
 mod session;
 mod stats;
+mod step;
 mod store;
 mod tensor;
 
@@ -17,6 +19,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     functions::register(m)?;
     facts::register(m)?;
+    ranks::register(m)?;
+    step::register(m)?;
     m.add_class::<session::CaptureSession>()?;
     m.add_class::<output::Output>()?;
     Ok(())

@@ -8,13 +8,13 @@ use pyo3::prelude::*;
 use super::errors::guard;
 use super::store::PyStore;
 use crate::output::atomic::Durability;
-use crate::output::staging::SlowDisk;
-use crate::worker::{OutputSettings, StoreHandle};
+use crate::output::sinks::staging::SlowDisk;
+use crate::worker::{defaults, OutputSettings, StoreHandle};
 
 /// Where a session's samples go, built once: `Output(out_dir)` writes a capture directory in `format` with
-/// `writer_threads` threads; with `staging`, per-request files a client collects (`output/staging.rs`; at most
+/// `writer_threads` threads; with `staging`, per-request files a client collects (`output/sinks/staging.rs`; at most
 /// `staging_backlog_mib` of complete samples waiting for their files after a release); with `store` (an object
-/// store's client, `py/store.rs`) and format `mooncake`, packed objects in that store instead (`output/store.rs`).
+/// store's client, `py/store.rs`) and format `mooncake`, packed objects in that store instead (`output/sinks/store.rs`).
 /// `durable`: true (each file and its directory fsync'd), false (renamed into place only) or "writeback" (each file's
 /// data written back by its writer thread right after it is in place; `output/atomic.rs`).
 /// A session without one keeps completed samples in memory for `take_samples()`.
@@ -44,7 +44,7 @@ fn durability(durable: Option<&Bound<'_, PyAny>>) -> PyResult<Durability> {
 #[pymethods]
 impl Output {
     #[new]
-    #[pyo3(signature = (out_dir=None, *, format="hscapture".to_string(), writer_threads=4, writer_queue=8, durable=None, compress=None, model=String::new(), staging=false, staging_backlog_mib=2048, staging_collect_s=600, max_growing_sample_mib=4096, store=None))]
+    #[pyo3(signature = (out_dir=None, *, format=defaults::FORMAT.to_string(), writer_threads=4, writer_queue=defaults::WRITER_QUEUE, durable=None, compress=None, model=String::new(), staging=false, staging_backlog_mib=defaults::STAGING_BACKLOG_MIB, staging_collect_s=defaults::STAGING_COLLECT_S, max_growing_sample_mib=defaults::MAX_GROWING_SAMPLE_MIB, store=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         out_dir: Option<PathBuf>,
@@ -88,7 +88,7 @@ impl Output {
     }
 
     /// Tests only: the same output on a slow disk — each per-request file written `delay_ms` late, and first for
-    /// as long as the file `hold` exists (`output/staging.rs`).
+    /// as long as the file `hold` exists (`output/sinks/staging.rs`).
     #[pyo3(signature = (delay_ms=0, hold=None))]
     fn on_slow_disk(&self, delay_ms: u64, hold: Option<PathBuf>) -> Output {
         let slow_disk = SlowDisk { delay: std::time::Duration::from_millis(delay_ms), hold_while: hold };

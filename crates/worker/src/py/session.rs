@@ -5,36 +5,23 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
 
 use super::errors::guard;
+use super::functions::record_dict;
 use super::output::Output;
+use super::step::Step;
 use super::tensor::{describe, parse_dtype};
 use crate::attribution::layers::{Convention, LayerPlan};
-use crate::attribution::plan::{CachedRequest, NewRequest, SampleKey, StepInput};
 use crate::capture::cuda::CudaDevice;
 use crate::capture::session::SessionConfig;
-use crate::output::record::SampleRecord;
-use crate::ranks::checksums::verify_replicated;
+use crate::output::ledger::record::SampleRecord;
+use crate::sample::SampleKey;
 use crate::worker::{OutputSettings, StepReport, WorkerSession};
 
-/// `(request id, prompt token ids, computed tokens, sample index, loss mask)`.
-type NewReqTuple = (String, Vec<i64>, usize, Option<u64>, Option<Vec<u8>>, Option<usize>);
-type CachedReqTuple = (String, usize, bool);
 /// `(step, checksum as i64, rows, samples completed)`.
 type ReportTuple = (u64, i64, usize, usize);
 
 #[pyclass(module = "hscapture._native")]
 pub struct CaptureSession {
     inner: WorkerSession,
-}
-
-pub fn record_dict<'py>(py: Python<'py>, r: &SampleRecord) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("index", r.index)?;
-    d.set_item("request_id", r.request_id.clone())?;
-    d.set_item("file", &r.file)?;
-    d.set_item("length", r.length)?;
-    d.set_item("checksum", &r.checksum)?;
-    d.set_item("bytes", r.bytes)?;
-    Ok(d)
 }
 
 fn records<'py>(py: Python<'py>, rs: &[SampleRecord]) -> PyResult<Bound<'py, PyList>> {
@@ -123,48 +110,11 @@ impl CaptureSession {
         guard("planned", || Ok(self.inner.session().planned()))
     }
 
-    /// Registers a step's scheduler output; returns the reports of the device steps it accounted.
-    /// `with_outputs`: new requests that capture their generated tokens too; `outputs`: `(request id, token ids)` of
-    /// such requests finished now (every token that went through a forward).
-    #[pyo3(signature = (new_requests, cached_requests, scheduled, total_tokens, finished, preempted, with_outputs=Vec::new(), outputs=Vec::new()))]
-    #[allow(clippy::too_many_arguments)]
-    fn begin_step(
-        &mut self,
-        py: Python<'_>,
-        new_requests: Vec<NewReqTuple>,
-        cached_requests: Vec<CachedReqTuple>,
-        scheduled: Vec<(String, usize)>,
-        total_tokens: usize,
-        finished: Vec<String>,
-        preempted: Vec<String>,
-        with_outputs: Vec<String>,
-        outputs: Vec<(String, Vec<i64>)>,
-    ) -> PyResult<Vec<ReportTuple>> {
+    /// Registers a step's scheduler output (a `Step`, taken: each step builds its own); returns the reports of
+    /// the device steps it accounted.
+    fn begin_step(&mut self, py: Python<'_>, step: &Bound<'_, Step>) -> PyResult<Vec<ReportTuple>> {
         guard("begin_step", || {
-            let input = StepInput {
-                new_requests: new_requests
-                    .into_iter()
-                    .map(|(req_id, prompt_token_ids, num_computed_tokens, sample, loss_mask, max_tokens)| NewRequest {
-                        req_id,
-                        prompt_token_ids,
-                        num_computed_tokens,
-                        sample,
-                        loss_mask,
-                        max_tokens,
-                    })
-                    .collect(),
-                cached_requests: cached_requests
-                    .into_iter()
-                    .map(|(req_id, num_computed_tokens, resumed)| CachedRequest { req_id, num_computed_tokens, resumed })
-                    .collect(),
-                num_scheduled: scheduled,
-                total_tokens,
-                finished,
-                preempted,
-                with_outputs,
-                outputs,
-                refused: Vec::new(), // decided by the worker session (its bound on a growing sample)
-            };
+            let input = step.borrow_mut().take()?;
             // May wait for a device step's copies, the ring or the writer: without the GIL.
             let inner = &mut self.inner;
             Ok(tuples(py.detach(|| inner.begin_step(input))?))
@@ -327,15 +277,6 @@ impl CaptureSession {
         guard("abandon_step", || Ok(self.inner.session_mut().abandon_step()?))
     }
 
-    /// Compares the step checksums gathered from every rank of a group (index = group rank).
-    #[staticmethod]
-    fn verify_ranks(step: u64, what: &str, checksums: Vec<i64>) -> PyResult<()> {
-        guard("verify_ranks", || {
-            let c: Vec<u64> = checksums.into_iter().map(|x| x as u64).collect();
-            Ok(verify_replicated(step, what, &c)?)
-        })
-    }
-
     /// Completed samples kept in memory (sessions without an output directory), removed from the
     /// session: dicts with `sample`, `request_id`, `token_ids`, `shape`, `dtype`, `data` (bytes).
     fn take_samples<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
@@ -390,6 +331,12 @@ impl CaptureSession {
             let rs = py.detach(|| inner.finish())?;
             records(py, &rs)
         })
+    }
+
+    /// What this capture is (format, model, layer_ids, convention, dtype as stored, hidden_size,
+    /// num_hidden_layers): the one the journal and the files record.
+    fn identity<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        guard("identity", || super::facts::identity_dict(py, self.inner.identity()))
     }
 
     /// Running totals: steps, rows, samples, aborted, skipped, live_requests, held_bytes, and the nanoseconds the

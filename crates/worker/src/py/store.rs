@@ -4,7 +4,7 @@
 
 use pyo3::prelude::*;
 
-use crate::output::store::ObjectStore;
+use crate::output::sinks::store::ObjectStore;
 use crate::{core_err, error::CoreResult};
 
 pub struct PyStore(Py<PyAny>);

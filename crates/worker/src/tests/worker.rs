@@ -26,7 +26,7 @@ fn out(root: Option<PathBuf>) -> OutputSettings {
         durability: crate::output::atomic::Durability::Rename,
         staging: false,
         staging_backlog: 1 << 30,
-        staging_collect: crate::output::janitor::COLLECT_WITHIN,
+        staging_collect: crate::output::sinks::janitor::COLLECT_WITHIN,
         max_growing_sample: u64::MAX,
         slow_disk: Default::default(),
         store: None,
@@ -106,7 +106,7 @@ fn settings_out_of_range_are_refused_before_anything_starts() {
     assert!(bad(|o| o.queue = 0).contains("writer queue"));
     assert!(bad(|o| o.compress = Some(23)).contains("zstd takes 1..=22"));
     assert!(bad(|o| o.format = "parquet".into()).contains("unknown format"));
-    assert!(!d.path().join(crate::output::journal::FILE).exists(), "no journal for a refused session");
+    assert!(!d.path().join(crate::output::ledger::journal::FILE).exists(), "no journal for a refused session");
 }
 
 #[test]
@@ -127,14 +127,14 @@ fn a_staged_file_s_lock_is_taken_when_its_step_ends_and_released_once_it_is_in_p
     w.drain().unwrap();
     probe.try_lock().expect("released once the file is in place");
     assert!(d.path().join("r0.safetensors").exists() && lock.exists(), "the client removes the lock file");
-    assert!(!d.path().join(crate::output::journal::FILE).exists(), "no journal in a staging directory");
+    assert!(!d.path().join(crate::output::ledger::journal::FILE).exists(), "no journal in a staging directory");
     w.finish().unwrap();
 }
 
 #[derive(Default)]
 struct MemoryStore(std::sync::Mutex<Vec<(String, usize)>>);
 
-impl crate::output::store::ObjectStore for MemoryStore {
+impl crate::output::sinks::store::ObjectStore for MemoryStore {
     fn put(&self, key: &str, bytes: &[u8]) -> crate::error::CoreResult<()> {
         self.0.lock().unwrap().push((key.to_string(), bytes.len()));
         Ok(())
@@ -143,7 +143,7 @@ impl crate::output::store::ObjectStore for MemoryStore {
 
 #[test]
 fn samples_go_to_an_object_store_as_packed_objects() {
-    use crate::output::packed::PackedLayout;
+    use crate::output::sinks::packed::PackedLayout;
     let store = std::sync::Arc::new(MemoryStore::default());
     let mut o = out(None);
     (o.format, o.store) = (STORE_FORMAT.into(), Some(StoreHandle(store.clone())));
@@ -223,7 +223,7 @@ fn samples_are_stored_only_once_their_steps_are_released() {
         assert_eq!(more.len(), 1, "the unreleased sample is dropped at the end, background {background}");
         assert!(root.join("hidden_states/hs_0.safetensors").exists());
         assert!(!root.join("hidden_states/hs_1.safetensors").exists(), "background {background}");
-        let journal = std::fs::read_to_string(root.join(crate::output::journal::FILE)).unwrap();
+        let journal = std::fs::read_to_string(root.join(crate::output::ledger::journal::FILE)).unwrap();
         assert!(journal.contains("hs_0.") && !journal.contains("hs_1."), "journaled only what was released: {journal}");
     }
     let mut mem = WorkerSession::new(cfg(true), out(None)).unwrap();
@@ -394,7 +394,7 @@ fn a_server_sweeps_what_no_client_collected_and_says_so() {
     let d = tempfile::tempdir().unwrap();
     let old = d.path().join("gone-client.safetensors");
     std::fs::write(&old, b"x").unwrap();
-    let t = std::time::SystemTime::now() - crate::output::janitor::COLLECT_WITHIN - std::time::Duration::from_secs(1);
+    let t = std::time::SystemTime::now() - crate::output::sinks::janitor::COLLECT_WITHIN - std::time::Duration::from_secs(1);
     std::fs::File::options().write(true).open(&old).unwrap().set_modified(t).unwrap();
     let mut o = out(Some(d.path().into()));
     (o.staging, o.format) = (true, "hscapture".into());
@@ -444,7 +444,7 @@ fn a_growing_sample_that_could_outgrow_its_bound_is_refused_at_admission_alone()
     assert!(notes.contains("\"big\" refused at admission") && notes.contains("11 rows"), "{notes}");
     assert!(!notes.contains("\"fits\""), "{notes}");
     assert_eq!(w.session().stats().refused, 1);
-    let lock = |id: &str| crate::output::staging::lock_path(&d.path().join(crate::output::staging::file_name(id)));
+    let lock = |id: &str| crate::output::sinks::staging::lock_path(&d.path().join(crate::output::sinks::staging::file_name(id)));
     assert!(lock("fits").exists(), "the admitted request's file is promised (its lock)");
     assert!(!lock("big").exists(), "the refused one promises nothing: its client finds no file");
     w.finish().unwrap();

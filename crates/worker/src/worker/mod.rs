@@ -19,24 +19,24 @@ use crate::capture::scatter::Refusal;
 use crate::capture::session::{Aborted, Session, SessionConfig, StepOutcome};
 use crate::capture::tensor::TensorDesc;
 use crate::failure::Failure;
-use crate::output::format::by_name;
-use crate::output::janitor;
-use crate::output::record::SampleRecord;
-use crate::output::sample::Sample;
-use crate::output::sink::{FileSink, Layout};
-use crate::output::staging::{Locks, STALL_DEADLINE};
-use crate::output::store::StoreSink;
-use crate::output::writer::{Writer, WriterConfig};
+use crate::output::formats::by_name;
+use crate::output::ledger::record::{Identity, SampleRecord};
+use crate::output::sinks::janitor;
+use crate::output::sinks::sink::{FileSink, Layout};
+use crate::output::sinks::staging::{Locks, STALL_DEADLINE};
+use crate::output::sinks::store::StoreSink;
+use crate::output::sinks::writer::{Writer, WriterConfig};
+use crate::sample::Sample;
 use crate::{ensure, error::CoreResult};
 
 mod settings;
 mod times;
 
-pub use settings::{identity, GrowingBound, OutputSettings, StoreHandle, STORE_FORMAT};
+pub use settings::{defaults, identity, GrowingBound, OutputSettings, StoreHandle, STORE_FORMAT};
 use times::elapsed_ns;
 pub use times::CallTimes;
 
-/// Aborted requests kept for a driver that never takes them (see [`crate::output::writer::UNTAKEN_RECORDS`]).
+/// Aborted requests kept for a driver that never takes them (see [`crate::output::sinks::writer::UNTAKEN_RECORDS`]).
 const UNTAKEN_ABORTS: usize = 1 << 16;
 
 /// What a step's accounting reports to the caller.
@@ -61,6 +61,8 @@ pub struct WorkerSession {
     output: Output,
     /// The format's name (`format.rs`).
     format: &'static str,
+    /// What this capture is (its journal, manifest and files record it).
+    identity: Identity,
     aborted: Vec<Aborted>,
     /// A staging directory's locks (per-request files): those of aborted requests are given up.
     locks: Option<Arc<Locks>>,
@@ -110,10 +112,11 @@ impl WorkerSession {
             if out.compress.is_some() { " compression" } else { "" }
         );
         // The identity's format: a file format's, or the plain one (the packed object holds the states as captured).
-        let format = by_name(if into_store { "hscapture" } else { &out.format }, out.compress)?;
+        let format = by_name(if into_store { defaults::FORMAT } else { &out.format }, out.compress)?;
         let format_name = if into_store { STORE_FORMAT } else { format.name() };
         let failure = Failure::new();
         let id = identity(&cfg, &out, format.as_ref());
+        let id_kept = id.clone();
         let row_bytes = format.stored_row_bytes(cfg.layers.num_slots(), cfg.hidden_size, cfg.out_dtype);
         let assemble = cfg.assemble;
         let mut session = Session::with_failure(cfg, failure.clone())?;
@@ -130,7 +133,7 @@ impl WorkerSession {
                 let layout = if out.staging {
                     std::fs::create_dir_all(root)
                         .map_err(|e| crate::core_err!(Output, "cannot create the staging directory {}: {e}", root.display()))?;
-                    crate::output::staging::check_flock(root)?;
+                    crate::output::sinks::staging::check_flock(root)?;
                     let locks = Arc::new(Locks::new(root, out.slow_disk.clone()));
                     let held = Arc::clone(&locks);
                     session.set_completion_hook(Arc::new(move |req: &str, rows: Option<usize>| held.hold(req, rows)));
@@ -156,6 +159,7 @@ impl WorkerSession {
             session,
             output,
             format: format_name,
+            identity: id_kept,
             aborted: Vec::new(),
             locks: staged,
             backlog_rows,
@@ -169,6 +173,11 @@ impl WorkerSession {
             swept: None,
             notes: Vec::new(),
         })
+    }
+
+    /// What this capture is: format, model, layers, convention, stored dtype, sizes.
+    pub fn identity(&self) -> &Identity {
+        &self.identity
     }
 
     /// Per-request files: sweeps the staging directory when the last sweep is [`janitor::SWEEP_EVERY`] old (the first
@@ -216,7 +225,7 @@ impl WorkerSession {
                 self.notes.push(format!(
                     "{dropped} sample records were never taken by a driver and are dropped from memory (the newest {} are \
                      kept; the capture directory's journal has every one)",
-                    crate::output::writer::UNTAKEN_RECORDS / 2
+                    crate::output::sinks::writer::UNTAKEN_RECORDS / 2
                 ));
             }
         }

@@ -5,11 +5,11 @@ use std::sync::Arc;
 
 use crate::capture::session::SessionConfig;
 use crate::output::atomic::Durability;
-use crate::output::format::Format;
-use crate::output::janitor;
-use crate::output::record::Identity;
-use crate::output::staging::SlowDisk;
-use crate::output::store::ObjectStore;
+use crate::output::formats::Format;
+use crate::output::ledger::record::Identity;
+use crate::output::sinks::janitor;
+use crate::output::sinks::staging::SlowDisk;
+use crate::output::sinks::store::ObjectStore;
 
 /// Where and how a worker's samples are stored.
 #[derive(Clone, Debug)]
@@ -39,7 +39,7 @@ pub struct OutputSettings {
     pub max_growing_sample: u64,
     /// Tests only: per-request files are written late (`staging.rs`).
     pub slow_disk: SlowDisk,
-    /// Samples go to this object store as packed objects (`output/store.rs`) instead of files.
+    /// Samples go to this object store as packed objects (`output/sinks/store.rs`) instead of files.
     pub store: Option<StoreHandle>,
 }
 
@@ -48,7 +48,7 @@ impl OutputSettings {
     pub fn in_memory() -> OutputSettings {
         OutputSettings {
             root: None,
-            format: "hscapture".into(),
+            format: defaults::FORMAT.into(),
             compress: None,
             model: String::new(),
             threads: 1,
@@ -72,6 +72,20 @@ impl std::fmt::Debug for StoreHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("StoreHandle")
     }
+}
+
+/// The defaults of what a worker's output is told (the Python package reads them from here: `_native.DEFAULTS`).
+pub mod defaults {
+    /// The sample format a capture writes unless told otherwise.
+    pub const FORMAT: &str = crate::output::formats::safetensors::NAME;
+    /// Samples waiting for the writer before the capture blocks.
+    pub const WRITER_QUEUE: usize = 8;
+    /// Per-request files: MiB of complete samples that may wait for their files at a release.
+    pub const STAGING_BACKLOG_MIB: u64 = 2048;
+    /// Per-request files: seconds a client has to collect its file.
+    pub const STAGING_COLLECT_S: u64 = crate::output::sinks::janitor::COLLECT_WITHIN.as_secs();
+    /// MiB a sample that grows with its generated tokens may take.
+    pub const MAX_GROWING_SAMPLE_MIB: u64 = 4096;
 }
 
 /// The name a capture into an object store goes by (the packed layout is not a file format).

@@ -1,7 +1,10 @@
 """Adapters to vLLM's objects, by feature detection (never by version string).
 
-Everything hscapture reads from vLLM goes through this module: the platform's worker class, the
-scheduler output, the order the model runner laid a step out in, the tensor-parallel group.
+Everything the capture reads from vLLM's objects at run time goes through this module: the platform's worker
+class, the scheduler output, the order the model runner laid a step out in, the tensor-parallel and pipeline
+groups. Beyond it, vLLM is used only through its public API where that API is the point: the KV connector's base
+class (``connector.py``), the engine arguments and ``LLM`` the CLI drives (``cli/``, ``adapters/early_check.py``),
+and the version-keyed shims (``patches/``), each of which names what it patches.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from .. import envs
+from .. import _native, envs
 from ..errors import CompatibilityError
 
 log = logging.getLogger("hscapture")
@@ -118,8 +121,8 @@ def include_output_tokens(params: Any) -> bool:
     return isinstance(params, dict) and params.get("include_output_tokens") is True
 
 
-def step_args(so: Any) -> tuple:
-    """A scheduler output as the plain arguments of ``CaptureSession.begin_step``."""
+def step_of(so: Any) -> _native.Step:
+    """A scheduler output as the ``Step`` that ``CaptureSession.begin_step`` takes."""
     new = []
     for r in so.scheduled_new_reqs:
         ids = r.prompt_token_ids
@@ -128,7 +131,16 @@ def step_args(so: Any) -> tuple:
                 f"request {r.req_id!r} has no prompt token ids (prompt embeddings?); hscapture captures token prompts only"
             )
         sp = r.sampling_params
-        new.append((r.req_id, list(ids), int(r.num_computed_tokens), sample_index(sp), loss_mask(sp), max_tokens(sp)))
+        new.append(
+            _native.NewRequest(
+                r.req_id,
+                list(ids),
+                int(r.num_computed_tokens),
+                sample=sample_index(sp),
+                loss_mask=loss_mask(sp),
+                max_tokens=max_tokens(sp),
+            )
+        )
     c = so.scheduled_cached_reqs
     resumed = getattr(c, "resumed_req_ids", None)
     if resumed is None:  # older layout: a parallel list of flags
@@ -147,7 +159,16 @@ def step_args(so: Any) -> tuple:
             if include_output_tokens((getattr(r.sampling_params, "extra_args", None) or {}).get("kv_transfer_params")):
                 with_outputs.append(r.req_id)
         outputs = [(rid, list(tokens)) for rid, tokens in meta.outputs.items()]
-    return new, cached, scheduled, int(so.total_num_scheduled_tokens), finished, preempted, with_outputs, outputs
+    return _native.Step(
+        new_requests=new,
+        cached_requests=cached,
+        scheduled=scheduled,
+        total_tokens=int(so.total_num_scheduled_tokens),
+        finished=finished,
+        preempted=preempted,
+        with_outputs=with_outputs,
+        outputs=outputs,
+    )
 
 
 class RunnerOrder:
@@ -357,3 +378,10 @@ def pp_info() -> tuple[int, int]:
 
     g = get_pp_group()
     return int(g.world_size), int(g.rank_in_group)
+
+
+def pp_stage_ranks() -> list[int]:
+    """The global ranks of this tensor-parallel position, one per pipeline stage, first to last."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return [int(r) for r in get_pp_group().ranks]

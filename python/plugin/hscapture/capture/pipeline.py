@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..adapters import vllm_compat
 from ..errors import PeerFailedError
 
 _TAG = 0x4853  # "HS"
@@ -26,14 +27,13 @@ class StageLink:
         self, session: Any, pp_size: int, pp_rank: int, tp_rank: int, local_slots: list[int], n_slots: int
     ) -> None:
         import torch.distributed as dist
-        from vllm.distributed.parallel_state import get_pp_group
 
         self.session = session
         self.local_slots = local_slots
         self.pp_size, self.pp_rank = pp_size, pp_rank
         # Collective over the whole world: every worker creates it, in the same order.
         self.group = dist.new_group(backend="gloo")
-        stage_ranks = list(get_pp_group().ranks)  # global ranks of this TP position, one per stage
+        stage_ranks = vllm_compat.pp_stage_ranks()  # global ranks of this TP position, one per stage
         self.active = tp_rank == 0  # only TP rank 0 of each stage sends or receives
         self.last = stage_ranks[-1]
         self.earlier = stage_ranks[:-1]

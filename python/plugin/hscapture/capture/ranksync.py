@@ -20,6 +20,9 @@ never recorded: the driver reports the failed rank's own error.
 - Ranks that accounted different numbers of steps, or steps whose checksums differ, raise
   ``RankMismatchError``. Every rank sees the same digests, so all of them then compare step by step (the
   same all-gathers everywhere) to name the first step that differs.
+
+What a rank sends and what the gathered records mean is decided in the core (``ranks/meeting.rs``); this module
+carries the records between ranks and keeps the failure state.
 """
 
 from __future__ import annotations
@@ -27,23 +30,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .._native import CaptureSession
-from ..errors import CompatibilityError, HscaptureError, PeerFailedError, RankMismatchError
+from .. import _native
+from ..errors import HscaptureError, PeerFailedError
 from ..output import failures
-
-_M = (1 << 64) - 1
-
-PATHS = ("none", "host", "device", "failed")
-"""How a rank captures: no CUDA, host copies in the hook, the device path; or its set-up failed."""
-
-
-def digest(outcomes: list) -> int:
-    """FNV-1a over the (step, checksum) pairs, as a signed 64-bit integer (what the all-gather carries)."""
-    d = 0xCBF29CE484222325
-    for step, checksum, *_ in outcomes:
-        for v in (int(step), int(checksum)):
-            d = ((d ^ (v & _M)) * 0x100000001B3) & _M
-    return d - (1 << 64) if d >= 1 << 63 else d
 
 
 def unexpected(where: str, e: Exception) -> HscaptureError:
@@ -54,12 +43,6 @@ def unexpected(where: str, e: Exception) -> HscaptureError:
     )
     err.__cause__ = e
     return err
-
-
-def path_code(path: str, overlap: int) -> int:
-    """A rank's capture path (and, on the device path, the steps it keeps in flight) as the number the start-up
-    all-gather carries."""
-    return PATHS.index(path) * 4 + (int(overlap) if path == "device" else 0)
 
 
 class RankSync:
@@ -117,7 +100,7 @@ class RankSync:
         meetings is the same on every rank."""
         self._wait_pending()
         if self.tp.size > 1:
-            self._pending = self.tp.start_all_gather_i64s([1, 0, digest([]), self.global_rank])
+            self._pending = self.tp.start_all_gather_i64s(_native.meeting_record(True, [], self.global_rank))
 
     def _wait_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -139,43 +122,31 @@ class RankSync:
                 error = unexpected(what, e)
             if error is not None:
                 self.raised(error)
-        failed = int(self.failure is not None)
         records = []  # one rank: nobody to meet (the per-step path at TP=1 stays as it was)
         if self.tp.size > 1:
-            records = self.tp.all_gather_i64s([failed, len(outcomes), digest(outcomes), self.global_rank])
+            steps = [(int(o[0]), int(o[1])) for o in outcomes]
+            records = self.tp.all_gather_i64s(_native.meeting_record(self.failure is not None, steps, self.global_rank))
         if error is not None:
             raise error
-        if failed:
-            self.check(what)
-        peers = [f"tensor-parallel rank {r} (global rank {rec[3]})" for r, rec in enumerate(records) if rec[0]]
-        if peers:
-            e = PeerFailedError(f"{what} refused: {', '.join(peers)} failed{_PEER_TAIL}")
-            e.peers = ", ".join(peers)
-            self.failure, self._raised = e, True  # not recorded: their own error is the root cause
-            raise e
+        self.check(what)
         if records:
-            self._compare(what, outcomes, records)
+            self._decide(what, outcomes, records)
         return outcomes
 
-    def _compare(self, what: str, outcomes: list, records: list) -> None:
+    def _decide(self, what: str, outcomes: list, records: list) -> None:
         try:
-            counts = [rec[1] for rec in records]
-            if len(set(counts)) > 1:
-                raise RankMismatchError(
-                    f"{what}: the tensor-parallel ranks accounted different numbers of steps (per rank {counts}); "
-                    "expected the same, since every rank captures the same way (checked at start-up). This is a bug "
-                    "in hscapture: please report it with the workers' logs"
-                )
-            if len({rec[2] for rec in records}) > 1:
-                for step, checksum, *_ in outcomes:
-                    CaptureSession.verify_ranks(step, "tensor-parallel", self.tp.all_gather_i64(checksum))
-                raise RankMismatchError(
-                    f"{what}: the tensor-parallel ranks' digests of steps {[o[0] for o in outcomes]} differ, but no "
-                    "single step's checksum did; expected equal digests. This is a bug in hscapture: please report it"
-                )
+            verdict, peers = _native.decide_meeting(what, records)
+            if verdict == "compare_steps":  # the same all-gathers on every rank: each saw the same digests
+                gathered = [(int(o[0]), self.tp.all_gather_i64(int(o[1]))) for o in outcomes]
+                _native.compare_steps(what, gathered)  # raises, naming the first step that differs
         except HscaptureError as e:
             self.raised(e)
             raise
+        if verdict == "peers_failed":
+            e = PeerFailedError(f"{what} refused: {peers} failed{_PEER_TAIL}")
+            e.peers = peers
+            self.failure, self._raised = e, True  # not recorded: their own error is the root cause
+            raise e
 
     # -- start-up --------------------------------------------------------------------------------
     def agree_on_path(self, path: str, overlap: int, failure: HscaptureError | None = None) -> None:
@@ -187,28 +158,17 @@ class RankSync:
             if failure is not None:
                 raise failure
             return
-        codes = self.tp.all_gather_i64(path_code(path, overlap))
-        failed = [r for r, c in enumerate(codes) if PATHS[c // 4] == "failed"]
+        codes = self.tp.all_gather_i64(_native.path_code(path, overlap))
+        failed = _native.agree_on_paths(codes) if failure is None else None  # raises when the paths differ
         if failure is not None:
             raise failure
-        if failed:
+        if failed is not None:
             e = PeerFailedError(
-                f"tensor-parallel rank(s) {failed} could not set up their capture path (their logs say why); "
-                "expected every rank to start, so this rank stops too"
+                f"{failed} could not set up their capture path (their logs say why); expected every rank to start, so "
+                "this rank stops too"
             )
-            e.peers = f"tensor-parallel rank(s) {failed}"
+            e.peers = failed
             raise e
-        if len(set(codes)) == 1:
-            return
-        seen = [
-            f"rank {r}: {PATHS[c // 4]}{f' ({c % 4} steps in flight)' if c % 4 else ''}" for r, c in enumerate(codes)
-        ]
-        raise CompatibilityError(
-            f"the tensor-parallel ranks capture in different ways ({'; '.join(seen)}); expected the same path on "
-            "every rank, since each path accounts steps at different calls and the cross-rank check would compare "
-            "different steps. A rank that fell back to host copies logged why (its CUDA capture path is unavailable); "
-            "fix that, or set HSCAPTURE_DEVICE_PATH=off (and the same HSCAPTURE_DEVICE_OVERLAP) for every rank"
-        )
 
 
 _PEER_TAIL = (

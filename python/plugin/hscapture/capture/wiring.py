@@ -147,9 +147,6 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         order,
         writer=writer,
         link=link,
-        num_hidden_layers=n_layers,
-        hidden_size=hidden,
-        out_dtype=out_dtype,
         model_dtype=model_dtype,
         path=path,
         # A device step is collected when a later step runs; the step that reports a server's finished requests

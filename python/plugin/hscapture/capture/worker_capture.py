@@ -22,7 +22,6 @@ from .. import _native
 from ..adapters import vllm_compat
 from ..config import CaptureConfig
 from ..errors import HscaptureError
-from ..output import formats
 from .ranksync import RankSync, unexpected
 from .rpc_state import RpcState
 
@@ -48,9 +47,6 @@ class WorkerCapture:
         *,
         writer: bool = True,
         link: Any = None,
-        num_hidden_layers: int = 0,
-        hidden_size: int = 0,
-        out_dtype: str = "",
         model_dtype: str | None = None,
         path: Any = None,
         settle_each_step: bool = False,
@@ -64,8 +60,7 @@ class WorkerCapture:
         self.link = link  # pipeline.StageLink, under pipeline parallelism
         self.layer_ids = list(session.layer_ids)
         self.point_codes = tuple(session.point_codes())  # each slot's capture point, as the core numbers it
-        self.num_hidden_layers, self.hidden_size, self.out_dtype = num_hidden_layers, hidden_size, out_dtype
-        self.model_dtype = model_dtype or out_dtype
+        self.model_dtype = model_dtype  # the activations' (the identity has the stored dtype)
         self.rpc = RpcState(self)  # speculators' RPC surface: the driver's view of each step
         # wiring.DevicePath: how rows leave the GPU ("none" off CUDA), overlapped or not, quantized there for fp8
         self.device_path = getattr(path, "kind", "none")
@@ -133,7 +128,7 @@ class WorkerCapture:
         if self.link is not None:
             self.link.new_step()
         try:  # device steps still in flight beyond the one overlap keeps are accounted here
-            self._meet("a new step", lambda: self.session.begin_step(*vllm_compat.step_args(scheduler_output)))
+            self._meet("a new step", lambda: self.session.begin_step(vllm_compat.step_of(scheduler_output)))
         except HscaptureError:
             self._abandon()  # this step will not run; the next one must not find it begun
             self._tell_last_stage()
@@ -325,6 +320,7 @@ class WorkerCapture:
             self.session.finish()  # the writer still writes what it holds and stops; then the error
             raise
         records = list(self._recorded(self.session.finish))
+        identity = dict(self.session.identity())
         return {
             "traced_calls": traced_calls,
             "tp_rank": self.tp.rank,
@@ -334,12 +330,8 @@ class WorkerCapture:
             "skipped": [{"sample": k, "request_id": r, "why": why} for k, r, why in self.session.take_skipped()],
             "stats": dict(self.session.stats()),
             "device_path": self.device_path,
-            "layer_ids": list(self.layer_ids),
-            "convention": self.cfg.convention,
-            "dtype": formats.get(self.cfg.format).stored_dtype(self.out_dtype),
+            **identity,  # the core's: layer_ids, convention, dtype as stored, hidden_size, num_hidden_layers, ...
             "model_dtype": self.model_dtype,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_hidden_layers,
             "tp_size": self.tp.size,
         }
 

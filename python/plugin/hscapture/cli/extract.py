@@ -56,7 +56,7 @@ class ExtractOptions:
     durable: bool = True
     progress: bool = True  # a bar; False: plain log lines every `log_every` seconds (0: none)
     log_every: float = 0.0
-    format: str = "hscapture"  # formats.FORMATS
+    format: str = _native.DEFAULTS["format"]  # formats.FORMATS
     shard: str | None = None  # "k/n"
     executor: str | None = None  # vLLM's distributed_executor_backend (mp, ray, ...)
     input_path: str = ""

@@ -49,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, help="output directory (hidden_states/hs_{i}.safetensors, manifest.json)")
     ex.add_argument(
         "--format",
-        default="hscapture",
+        default=_native.DEFAULTS["format"],
         choices=sorted(FORMATS),
         help="hscapture: hidden_states/hs_{i}.safetensors (speculators' current training); fp8: the same files "
         "with e4m3fn states and per-token scales, half the bytes (speculators' FP8Transfer); legacy: "

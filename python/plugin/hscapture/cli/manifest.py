@@ -57,7 +57,7 @@ def finish(run: Run, w: dict | None, seconds: float, shims: list[str]) -> Extrac
             durable=opts.durable,
         ),
     )
-    _native.write_manifest(str(out / "manifest.json"), json.dumps(manifest))
+    _native.write_manifest(str(out / _native.MANIFEST), json.dumps(manifest))
     new = w["records"] if w else []
     return ExtractReport(
         out=str(out),

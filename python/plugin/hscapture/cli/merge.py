@@ -49,7 +49,7 @@ class MergeReport:
 
 
 def _load(d: Path) -> tuple[dict, ShardInfo]:
-    if not (d / "manifest.json").exists():
+    if not (d / _native.MANIFEST).exists():
         raise OutputError(
             f"{d} has no manifest.json: that shard did not finish; run its extract again with --resume, then merge"
         )
@@ -59,7 +59,7 @@ def _load(d: Path) -> tuple[dict, ShardInfo]:
             f"{d} has no shard.json: it was not written by `extract --shard k/n`; merge takes the shard "
             "directories of one sharded input"
         )
-    return json.loads(_native.read_manifest(str(d / "manifest.json"))), info
+    return json.loads(_native.read_manifest(str(d / _native.MANIFEST))), info
 
 
 def check(dirs: list[Path]) -> tuple[list[tuple[Path, dict, ShardInfo]], dict]:
@@ -150,7 +150,7 @@ def run_merge(out: Path, dirs: list[Path], move: bool = False) -> MergeReport:
     dirs = [d.resolve() for d in dirs]
     if out in dirs:
         raise ConfigError(f"the merge output {out} is one of the shards; choose a new directory")
-    if (out / "manifest.json").exists():
+    if (out / _native.MANIFEST).exists():
         raise OutputError(f"{out} already holds a capture (manifest.json); choose another output directory")
     shards, m0 = check(dirs)
     locks = [OutputLock(out).acquire()]
@@ -180,7 +180,7 @@ def _merge(out: Path, shards, m0: dict, move: bool) -> MergeReport:
     manifest = dict(m0)
     manifest["samples"] = records
     manifest["created_by"] = {**m0.get("created_by", {}), "merge": f"{len(shards)} shards"}
-    _native.write_manifest(str(out / "manifest.json"), json.dumps(manifest))
+    _native.write_manifest(str(out / _native.MANIFEST), json.dumps(manifest))
     return MergeReport(
         out=str(out),
         shards=len(shards),

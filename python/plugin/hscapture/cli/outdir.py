@@ -15,7 +15,7 @@ ASIDE = ".hscapture-replaced"
 # What a capture consists of at the top of OUT, besides its format's sample files.
 _OWN = (
     "hidden_states",
-    "manifest.json",
+    _native.MANIFEST,
     "shard.json",
     _native.JOURNAL,
     "sample_lengths.json",
@@ -36,7 +36,7 @@ def holds_capture(out: Path) -> bool:
     from ..output import formats
 
     return (
-        (out / "manifest.json").exists()
+        (out / _native.MANIFEST).exists()
         or (out / _native.JOURNAL).exists()
         or any(f.holds_capture(out) for f in formats.FORMATS.values())
     )

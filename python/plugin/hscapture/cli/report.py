@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from .. import _native
+
 
 def _hms(s: float) -> str:
     return str(timedelta(seconds=int(s))) if s == s and s != float("inf") else "?"
@@ -120,7 +122,7 @@ class ExtractReport:
     device_path: str = "none"
     traced_calls: int | None = None  # under torch.compile: taps of the compiled graph during captured steps
     resumed: int = 0
-    format: str = "hscapture"
+    format: str = _native.DEFAULTS["format"]
     shard: str | None = None
     skipped: int = 0  # samples not written for NaN/Inf values (--on-nonfinite skip)
     compressed: bool = False
@@ -132,7 +134,7 @@ class ExtractReport:
         from ..output.formats import get
 
         fmt = get(self.format)
-        return f"{self.out}/{fmt.file_pattern}" + "".join(f" + {d}" for d in fmt.documents) + " + manifest.json"
+        return f"{self.out}/{fmt.file_pattern}" + "".join(f" + {d}" for d in fmt.documents) + " + " + _native.MANIFEST
 
     @property
     def tokens_per_s(self) -> float:

@@ -24,7 +24,7 @@ def tolerance(manifest: dict) -> float:
 
 def run_verify(root: Path, model: str | None = None, n: int = 2, tol: float | None = None) -> int:
     samples, tokens, nbytes, problems = _native.verify_dir(str(root))
-    m = json.loads(_native.read_manifest(str(root / "manifest.json")))
+    m = json.loads(_native.read_manifest(str(root / _native.MANIFEST)))
     fmt = formats.of_manifest(m)
     problems += fmt.check_documents(root, m)
     print(

@@ -1,5 +1,5 @@
 """What the driver does with each sample format beyond its files. The facts about a format (its names, folder,
-file pattern, stored dtype, compression) are the Rust core's (``crates/worker/src/output/format.rs``, read
+file pattern, stored dtype, compression) are the Rust core's (``crates/worker/src/output/formats/format.rs``, read
 through ``_native.formats()``); this module adds whether the last layer must be the final one, the per-sample
 data the workers need from the input, and the documents a format adds beside its files (the legacy layout's
 ``sample_lengths.json`` and ``data_config.json``).
@@ -129,7 +129,7 @@ def get(name: str) -> Format:
 
 
 def of_manifest(manifest: dict) -> Format:
-    return get(manifest.get("sample_format", "hscapture"))
+    return get(manifest.get("sample_format", _native.DEFAULTS["format"]))
 
 
 def after_ids(ids: list[int], convention: str) -> list[int] | None:
@@ -192,7 +192,7 @@ def data_config(meta: dict, run: RunInfo) -> dict:
                 },
             },
         },
-        "hscapture": {"convention": conv, "layer_ids": ids, "manifest": "manifest.json"},
+        "hscapture": {"convention": conv, "layer_ids": ids, "manifest": _native.MANIFEST},
     }
 
 

@@ -11,7 +11,7 @@ from .. import _native
 
 def load_manifest(out_dir: str | Path) -> dict[str, Any]:
     """``OUT/manifest.json``, checked."""
-    return json.loads(_native.read_manifest(str(Path(out_dir) / "manifest.json")))
+    return json.loads(_native.read_manifest(str(Path(out_dir) / _native.MANIFEST)))
 
 
 def load_sample(path: str | Path) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Mooncake's own client (``mooncake.store.MooncakeDistributedStore``, from ``mooncake-transfer-engine`` or its
 non-CUDA build) as the object store the Rust core puts samples into (``crates/worker/src/py/store.rs``): the
-core decides the object, its key and what a failure leaves behind (``output/store.rs``, ``output/packed.rs``);
+core decides the object, its key and what a failure leaves behind (``output/sinks/store.rs``, ``output/sinks/packed.rs``);
 this module only opens the client and turns its status codes into typed errors.
 
 Settings are the connector's ``kv_connector_extra_config["mooncake"]``, with speculators' names and defaults

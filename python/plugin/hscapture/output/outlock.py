@@ -17,7 +17,7 @@ from .. import _native
 from ..errors import OutputError
 
 NAME = ".hscapture.lock"
-WRITER = _native.WRITER_LOCK  # the core's writer lock (output/dirlock.rs)
+WRITER = _native.WRITER_LOCK  # the core's writer lock (output/sinks/dirlock.rs)
 WRITER_WAIT_S = 30.0
 
 

@@ -2,9 +2,10 @@
 //! after them, so the worker never waits forever for a buffer.
 
 use super::*;
-use crate::attribution::plan::{SampleKey, Segment};
+use crate::attribution::plan::Segment;
 use crate::capture::scatter::{Completion, Geometry};
-use crate::output::pool::BufferPool;
+use crate::sample::pool::BufferPool;
+use crate::sample::SampleKey;
 use hscapture_kernels::DType;
 
 /// A step's rows, each different (a zero or constant sample is refused as degenerate).

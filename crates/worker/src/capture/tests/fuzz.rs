@@ -13,9 +13,10 @@
 use proptest::prelude::*;
 
 use crate::attribution::layers::{Convention, LayerPlan};
-use crate::attribution::plan::{CachedRequest, NewRequest, SampleKey, StepInput};
+use crate::attribution::plan::{CachedRequest, NewRequest, StepInput};
 use crate::capture::session::{Session, SessionConfig};
 use crate::capture::tensor::{Device, TensorDesc};
+use crate::sample::SampleKey;
 use hscapture_kernels::DType;
 
 const W: usize = 2;

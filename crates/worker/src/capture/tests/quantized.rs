@@ -2,8 +2,8 @@
 //! `fp8.cu`) assembles the same samples as the host path quantized at encode time — the same files.
 
 use super::tests::{chunked_run, input, req, session, HostDevice};
-use crate::output::format::by_name;
-use crate::output::record::Identity;
+use crate::output::formats::by_name;
+use crate::output::ledger::record::Identity;
 
 fn identity() -> Identity {
     Identity {
@@ -34,7 +34,7 @@ fn device_quantized_samples_make_the_same_fp8_files_as_the_host_path() {
             assert_eq!((&h.key, h.shape(), &h.token_ids), (&d.key, d.shape(), &d.token_ids));
             assert!(h.scales.is_none() && d.scales.as_ref().is_some_and(|s| s.len() == d.rows), "codes and a scale per row");
             assert_eq!(d.data.len(), d.rows * 2 * 4, "one byte per value");
-            let twin = crate::output::fp8::quantize(h).unwrap();
+            let twin = crate::output::formats::fp8::quantize(h).unwrap();
             assert_eq!((&twin.codes, &twin.scales), (&d.data, d.scales.as_ref().unwrap()), "{}", h.key);
             assert_eq!(fp8.encode(h, &identity()).unwrap().concat(), fp8.encode(d, &identity()).unwrap().concat());
             assert!(other.encode(d, &identity()).err().is_some_and(|e| e.message.contains("fp8 codes")), "codes are not states");
@@ -63,10 +63,10 @@ fn a_quantizing_device_needs_every_slot_on_the_assembling_rank() {
 #[derive(Default)]
 struct Seen(std::sync::Mutex<Vec<(String, bool)>>);
 
-impl crate::output::sink::Sink for Seen {
-    fn put(&self, s: &crate::output::sample::Sample) -> crate::error::CoreResult<crate::output::record::SampleRecord> {
+impl crate::output::sinks::sink::Sink for Seen {
+    fn put(&self, s: &crate::sample::Sample) -> crate::error::CoreResult<crate::output::ledger::record::SampleRecord> {
         self.0.lock().unwrap().push((s.req_id.clone(), s.scales.is_some()));
-        let rec = crate::output::record::SampleRecord {
+        let rec = crate::output::ledger::record::SampleRecord {
             index: None,
             request_id: Some(s.req_id.clone()),
             file: String::new(),
@@ -84,7 +84,7 @@ fn a_quantizing_device_keeps_the_writer_the_assembler_hands_samples_to() {
     // last step before idling is collected by the empty step that reports its requests finished; nothing calls the
     // session after that, so the assembler thread itself must hand the samples to the writer (their clients wait
     // for the files' locks).
-    use crate::output::writer::{Writer, WriterConfig};
+    use crate::output::sinks::writer::{Writer, WriterConfig};
     use std::sync::Arc;
     let mut s = session(&[5, 1], true);
     s.set_background(2).unwrap();
@@ -118,7 +118,7 @@ fn a_quantizing_device_keeps_the_writer_the_assembler_hands_samples_to() {
 }
 
 /// One request capturing its generated tokens (prompt 3, two decode steps, then finished), on `s`; returns its sample.
-fn grown(s: &mut crate::capture::session::Session, device: bool) -> crate::output::sample::Sample {
+fn grown(s: &mut crate::capture::session::Session, device: bool) -> crate::sample::Sample {
     use crate::attribution::plan::{CachedRequest, StepInput};
     use crate::capture::tensor::{Device, TensorDesc};
     let on = |d: TensorDesc| if device { TensorDesc { device: Device::Cuda(0), ..d } } else { d };
@@ -160,7 +160,7 @@ fn a_growing_sample_is_quantized_token_by_token_on_the_device() {
     s.set_device(Box::new(HostDevice::quantizing(2, 64, 2)), 1).unwrap();
     let dev = grown(&mut s, true);
     assert_eq!((host.rows, dev.rows, &dev.token_ids), (5, 5, &vec![0, 1, 2, 70, 71]));
-    let twin = crate::output::fp8::quantize(&host).unwrap();
+    let twin = crate::output::formats::fp8::quantize(&host).unwrap();
     assert_eq!(dev.scales.as_ref(), Some(&twin.scales), "a scale per token, as the writer's quantization gives");
     assert_eq!(dev.data, twin.codes, "the codes of every token, prompt and decode rows alike");
     let fp8 = by_name("fp8", None).unwrap();

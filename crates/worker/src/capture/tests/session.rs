@@ -1,7 +1,8 @@
 use super::*;
 use crate::attribution::layers::{Convention, LayerPlan};
-use crate::attribution::plan::{CachedRequest, NewRequest, SampleKey};
+use crate::attribution::plan::{CachedRequest, NewRequest};
 use crate::error::ErrorKind;
+use crate::sample::SampleKey;
 use hscapture_kernels::DType;
 
 pub(super) const H: usize = 4;

@@ -8,7 +8,7 @@ fn file_appears_whole_and_leftovers_are_removed() {
     let written = write_atomic(&p, true, |w| w.write_all(b"hello")).unwrap();
     assert_eq!(written.bytes, 5);
     assert_eq!(fs::read(&p).unwrap(), b"hello");
-    assert_eq!(written.checksum, crate::output::record::file_checksum(b"hello"), "the checksum is of the bytes written");
+    assert_eq!(written.checksum, crate::output::ledger::record::file_checksum(b"hello"), "the checksum is of the bytes written");
     let e = write_atomic(&d.path().join("y.bin"), false, |w| {
         w.write_all(b"partial")?;
         Err(std::io::Error::other("boom"))

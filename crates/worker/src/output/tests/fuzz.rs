@@ -4,15 +4,15 @@
 
 use proptest::prelude::*;
 
-use crate::attribution::plan::SampleKey;
 use crate::output::atomic::Durability;
-use crate::output::format::{by_name, decode_file};
-use crate::output::manifest::{Manifest, FORMAT};
-use crate::output::record::{Identity, SampleRecord};
-use crate::output::resume::plan;
-use crate::output::sample::Sample;
-use crate::output::sink::{FileSink, Sink};
-use crate::output::verify::verify_dir;
+use crate::output::formats::{by_name, decode_file};
+use crate::output::ledger::manifest::{Manifest, FORMAT};
+use crate::output::ledger::record::{Identity, SampleRecord};
+use crate::output::readers::resume::plan;
+use crate::output::readers::verify::verify_dir;
+use crate::output::sinks::sink::{FileSink, Sink};
+use crate::sample::Sample;
+use crate::sample::SampleKey;
 use hscapture_kernels::DType;
 
 fn identity(format: &str) -> Identity {

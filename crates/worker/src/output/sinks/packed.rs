@@ -8,8 +8,8 @@
 
 use serde_json::{json, Value};
 
-use crate::output::safetensors::{check_sample, refuse_quantized};
-use crate::output::sample::Sample;
+use crate::output::formats::sample_file::{check_sample, refuse_quantized};
+use crate::sample::Sample;
 use crate::{core_err, error::CoreResult};
 use hscapture_kernels::DType;
 

@@ -10,10 +10,10 @@
 
 use std::sync::Arc;
 
-use crate::output::packed::{encode, error_key, key_of};
-use crate::output::record::{file_checksum, SampleRecord};
-use crate::output::sample::Sample;
-use crate::output::sink::Sink;
+use crate::output::ledger::record::{file_checksum, SampleRecord};
+use crate::output::sinks::packed::{encode, error_key, key_of};
+use crate::output::sinks::sink::Sink;
+use crate::sample::Sample;
 use crate::{core_err, error::CoreResult};
 
 /// An object store's client.

@@ -6,12 +6,12 @@ use std::collections::HashSet;
 use std::path::Path;
 
 use crate::output::atomic::is_partial;
-use crate::output::degenerate::degenerate_slot;
-use crate::output::format::{by_name, Format};
-use crate::output::manifest::Manifest;
-use crate::output::record::{file_checksum, Identity, SampleRecord};
-use crate::output::safetensors::META_IDENTITY;
-use crate::output::sample::{content_checksum, LoadedSample};
+use crate::output::formats::sample_file::META_IDENTITY;
+use crate::output::formats::{by_name, Format};
+use crate::output::ledger::manifest::Manifest;
+use crate::output::ledger::record::{content_checksum, file_checksum, Identity, SampleRecord};
+use crate::sample::degenerate::degenerate_slot;
+use crate::sample::LoadedSample;
 use crate::{core_err, error::CoreResult};
 use hscapture_kernels::DType;
 
@@ -98,7 +98,7 @@ pub fn check_file(
 /// Checks every sample the manifest lists (file present, checksum, length, shape, dtype, finite
 /// values, token-id count, settings) and every file it does not (orphans, leftover partial files).
 pub fn verify_dir(root: &Path) -> CoreResult<VerifyReport> {
-    let m = Manifest::read(&root.join("manifest.json"))?;
+    let m = Manifest::read(&root.join(crate::output::ledger::manifest::FILE))?;
     let format = by_name(&m.sample_format, None)?;
     let identity = m.identity();
     let mut rep = VerifyReport::default();

@@ -1,5 +1,5 @@
 use super::*;
-use crate::attribution::plan::SampleKey;
+use crate::sample::SampleKey;
 
 fn sample(rows: usize, slots: usize, width: usize, dtype: DType) -> Sample {
     Sample {

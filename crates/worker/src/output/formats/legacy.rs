@@ -11,11 +11,11 @@
 
 use std::borrow::Cow;
 
-use crate::attribution::plan::SampleKey;
-use crate::output::format::Format;
-use crate::output::record::Identity;
-use crate::output::sample::{LoadedSample, Sample};
-use crate::output::zip::{self, Entry};
+use crate::output::formats::zip::{self, Entry};
+use crate::output::formats::Format;
+use crate::output::ledger::record::Identity;
+use crate::sample::SampleKey;
+use crate::sample::{LoadedSample, Sample};
 use crate::{bail, core_err, ensure, error::CoreResult};
 use hscapture_kernels::DType;
 
@@ -150,7 +150,7 @@ fn longs(v: impl Iterator<Item = i64>) -> Vec<u8> {
 impl Legacy {
     /// The archive's entries for `sample`, with zip64 forced (tests).
     pub(crate) fn archive<'a>(&self, sample: &'a Sample, force_zip64: bool) -> CoreResult<Vec<Cow<'a, [u8]>>> {
-        crate::output::safetensors::check_sample(sample)?;
+        crate::output::formats::sample_file::check_sample(sample)?;
         let [rows, slots, width] = sample.shape();
         let mask = match &sample.loss_mask {
             Some(m) => {
@@ -190,7 +190,7 @@ impl Format for Legacy {
     fn file(&self, key: &SampleKey) -> String {
         match key {
             SampleKey::Index(i) => format!("data_{i}.pt"),
-            SampleKey::Request(_) => format!("{}.pt", crate::output::sample::file_stem(key)),
+            SampleKey::Request(_) => format!("{}.pt", crate::sample::file_stem(key)),
         }
     }
 
@@ -207,7 +207,7 @@ impl Format for Legacy {
     }
 
     fn encode<'a>(&self, sample: &'a Sample, _identity: &Identity) -> CoreResult<Vec<Cow<'a, [u8]>>> {
-        crate::output::safetensors::refuse_quantized(sample, "legacy")?;
+        crate::output::formats::sample_file::refuse_quantized(sample, "legacy")?;
         self.archive(sample, false)
     }
 

@@ -13,7 +13,7 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
-use crate::output::record::{Identity, SampleRecord};
+use crate::output::ledger::record::{Identity, SampleRecord};
 use crate::{bail, core_err, error::CoreResult};
 
 pub const FILE: &str = "records.jsonl";

@@ -13,10 +13,10 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{bounded, Sender, TrySendError};
 
 use crate::failure::Failure;
-use crate::output::pool::BufferPool;
-use crate::output::record::SampleRecord;
-use crate::output::sample::Sample;
-use crate::output::sink::Sink;
+use crate::output::ledger::record::SampleRecord;
+use crate::output::sinks::sink::Sink;
+use crate::sample::pool::BufferPool;
+use crate::sample::Sample;
 use crate::{core_err, error::CoreResult};
 
 /// What failed, in the capture's [`Failure`].

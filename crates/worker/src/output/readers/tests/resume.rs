@@ -1,9 +1,9 @@
 use super::*;
-use crate::attribution::plan::SampleKey;
 use crate::output::atomic::Durability;
-use crate::output::record::Identity;
-use crate::output::sample::Sample;
-use crate::output::sink::{FileSink, Sink};
+use crate::output::ledger::record::Identity;
+use crate::output::sinks::sink::{FileSink, Sink};
+use crate::sample::Sample;
+use crate::sample::SampleKey;
 use hscapture_kernels::DType;
 
 fn identity(layers: Vec<usize>) -> Identity {

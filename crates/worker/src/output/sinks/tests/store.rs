@@ -1,6 +1,6 @@
 use super::*;
-use crate::attribution::plan::SampleKey;
-use crate::output::packed::PackedLayout;
+use crate::output::sinks::packed::PackedLayout;
+use crate::sample::SampleKey;
 use hscapture_kernels::DType;
 use std::collections::HashMap;
 use std::sync::Mutex;

@@ -7,20 +7,15 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 
-use safetensors::{Dtype, SafeTensors};
-
-use crate::attribution::plan::SampleKey;
-use crate::output::format::Format;
-use crate::output::record::Identity;
-use crate::output::safetensors::{check_sample, file_of, header, identity_metadata, index_in, token_bytes, Tensor, FOLDER, PATTERN};
-use crate::output::sample::{LoadedSample, Sample};
-use crate::{core_err, ensure, error::CoreResult};
+use crate::output::formats::sample_file::{
+    self, check_sample, file_of, header, identity_metadata, index_in, token_bytes, Tensor, FOLDER, PATTERN, SCALES, STORED,
+};
+use crate::output::formats::Format;
+use crate::output::ledger::record::Identity;
+use crate::sample::SampleKey;
+use crate::sample::{LoadedSample, Sample};
+use crate::{ensure, error::CoreResult};
 use hscapture_kernels::{fp8, DType};
-
-/// The tensor of per-token scales (speculators' `SCALES_KEY`).
-pub const SCALES: &str = "hidden_states_scales";
-/// The torch name of the stored dtype (the capture's identity records it).
-pub const STORED: &str = "float8_e4m3fn";
 
 pub struct Fp8;
 
@@ -33,7 +28,7 @@ pub struct Quantized {
 /// Quantizes `sample`'s states (in its dtype) per token over all of its layers and hidden dims.
 pub fn quantize(sample: &Sample) -> CoreResult<Quantized> {
     check_sample(sample)?;
-    crate::output::safetensors::refuse_quantized(sample, "fp8 quantizer")?;
+    crate::output::formats::sample_file::refuse_quantized(sample, "fp8 quantizer")?;
     let [rows, slots, width] = sample.shape();
     let per_token = slots * width;
     let mut q = Quantized { codes: vec![0u8; rows * per_token], scales: vec![0f32; rows] };
@@ -69,46 +64,6 @@ pub fn encode_quantized<'a>(
         metadata,
     )?;
     Ok(vec![Cow::Owned(head), Cow::Owned(tokens), Cow::Owned(scales), codes])
-}
-
-/// Reads an fp8 file's states (`hs`, already found to be F8_E4M3) and dequantizes them to bf16.
-pub fn decode(
-    st: &SafeTensors<'_>,
-    hs: &safetensors::tensor::TensorView<'_>,
-    metadata: HashMap<String, String>,
-    token_ids: Vec<i64>,
-    what: &str,
-) -> CoreResult<LoadedSample> {
-    let shape: [usize; 3] =
-        hs.shape().try_into().map_err(|_| core_err!(Output, "{what}: `hidden_states` {:?} is not [L, n_layers, H]", hs.shape()))?;
-    let rows = token_ids.len();
-    ensure!(shape[0] == rows, Output, "{what}: `hidden_states` {shape:?} and `token_ids` [{rows}] do not form [L, n_layers, H] and [L]");
-    let sc = st.tensor(SCALES).map_err(|e| {
-        core_err!(Output, "{what}: fp8 `hidden_states` without `{SCALES}` ({e}); the file cannot be dequantized: recapture it")
-    })?;
-    ensure!(
-        sc.dtype() == Dtype::F32 && sc.shape() == [rows, 1, 1],
-        Output,
-        "{what}: `{SCALES}` is {:?} {:?}, expected F32 [{rows}, 1, 1]",
-        sc.dtype(),
-        sc.shape()
-    );
-    let scales: Vec<f32> = sc.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-    if let Some((t, s)) = scales.iter().enumerate().find(|(_, s)| !(s.is_finite() && **s > 0.0)) {
-        return Err(core_err!(
-            Output,
-            "{what}: token {t}'s scale is {s}, expected a finite positive number; the file is damaged: recapture it"
-        ));
-    }
-    let per_token = shape[1] * shape[2];
-    let mut data = vec![0u8; hs.data().len() * 2];
-    for (i, &code) in hs.data().iter().enumerate() {
-        let v = fp8::dequantize_bf16(code, scales[i / per_token.max(1)]);
-        data[2 * i..2 * i + 2].copy_from_slice(&v.to_le_bytes());
-    }
-    let mut s = LoadedSample::new(token_ids, shape, DType::BF16, data, metadata);
-    s.stored = STORED.to_string();
-    Ok(s)
 }
 
 impl Format for Fp8 {
@@ -160,8 +115,7 @@ impl Format for Fp8 {
     }
 
     fn decode(&self, bytes: &[u8], what: &str) -> CoreResult<LoadedSample> {
-        // One reader for both: the hscapture format's decode recognizes F8_E4M3 states and comes back here.
-        crate::output::safetensors::Safetensors { compress: None }.decode(bytes, what)
+        sample_file::read(bytes, what) // one reader for every variant of the file
     }
 }
 

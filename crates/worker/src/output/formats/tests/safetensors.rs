@@ -1,8 +1,11 @@
 use super::*;
-use crate::attribution::plan::SampleKey;
-use crate::output::format::decode_file;
-use crate::output::record::file_checksum;
-use crate::output::sample::content_checksum;
+use crate::output::formats::decode_file;
+use crate::output::formats::sample_file::META_IDENTITY;
+use crate::output::ledger::record::content_checksum;
+use crate::output::ledger::record::file_checksum;
+use crate::sample::SampleKey;
+use hscapture_kernels::DType;
+use safetensors::{Dtype, SafeTensors};
 
 fn identity(convention: &str) -> Identity {
     Identity {
@@ -41,7 +44,7 @@ fn round_trip() {
     let p = d.path().join("hs_3.safetensors");
     let n = write(&p, &s, "after", None);
     assert_eq!(n, std::fs::metadata(&p).unwrap().len());
-    let back = crate::output::format::read_sample_file(&p).unwrap();
+    let back = crate::output::formats::read_sample_file(&p).unwrap();
     assert_eq!(back.token_ids, vec![5, 6]);
     assert_eq!(back.shape, [2, 3, 4]);
     assert_eq!(back.dtype, DType::BF16);
@@ -54,7 +57,7 @@ fn round_trip() {
     // A truncated file is reported as such.
     let bytes = std::fs::read(&p).unwrap();
     std::fs::write(&p, &bytes[..bytes.len() - 3]).unwrap();
-    assert!(crate::output::format::read_sample_file(&p).unwrap_err().message.contains("truncated"));
+    assert!(crate::output::formats::read_sample_file(&p).unwrap_err().message.contains("truncated"));
 }
 
 #[test]
@@ -121,7 +124,7 @@ fn a_compressed_shape_that_overflows_is_an_error_not_an_allocation() {
 
 #[test]
 fn every_format_s_descriptor_says_what_its_files_do() {
-    use crate::output::format::{all, canonical, Descriptor};
+    use crate::output::formats::{all, canonical, Descriptor};
     for f in all() {
         let d = Descriptor::of(f.as_ref());
         let file = f.file(&SampleKey::Index(42));
@@ -136,8 +139,8 @@ fn every_format_s_descriptor_says_what_its_files_do() {
     }
     assert_eq!(canonical("file").unwrap(), "hscapture");
     assert!(canonical("parquet").unwrap_err().message.contains("hscapture, fp8, legacy"));
-    let fp8 = Descriptor::of(crate::output::format::by_name("fp8", None).unwrap().as_ref());
+    let fp8 = Descriptor::of(crate::output::formats::by_name("fp8", None).unwrap().as_ref());
     assert_eq!((fp8.stored_dtype, fp8.value_bytes, fp8.per_request_files), (Some("float8_e4m3fn"), Some(1), true));
-    let legacy = Descriptor::of(crate::output::format::by_name("legacy", None).unwrap().as_ref());
+    let legacy = Descriptor::of(crate::output::formats::by_name("legacy", None).unwrap().as_ref());
     assert_eq!((legacy.stored_dtype, legacy.folder, legacy.per_request_files), (None, "", false));
 }

@@ -62,6 +62,12 @@ pub fn checksum_text(hash: u64) -> String {
     format!("xxh3:{hash:016x}")
 }
 
+/// xxh3-64 of the hidden-state bytes, as `xxh3:<16 hex digits>`: what manifests of format
+/// `hscapture/1` recorded (those of `hscapture/2` record the whole file's checksum).
+pub fn content_checksum(data: &[u8]) -> String {
+    file_checksum(data)
+}
+
 /// The checksum of a whole file's bytes.
 pub fn file_checksum(bytes: &[u8]) -> String {
     checksum_text(xxhash_rust::xxh3::xxh3_64(bytes))

@@ -1,5 +1,5 @@
 use super::*;
-use crate::output::record::file_checksum;
+use crate::output::ledger::record::file_checksum;
 
 fn sample(rows: usize, slots: usize, width: usize, dtype: DType, mask: Option<Vec<u8>>) -> Sample {
     let n = rows * slots * width * dtype.size();

@@ -1,10 +1,10 @@
 use super::*;
-use crate::attribution::plan::SampleKey;
 use crate::output::atomic::Durability;
-use crate::output::manifest::FORMAT;
-use crate::output::record::Identity;
-use crate::output::sample::Sample;
-use crate::output::sink::{FileSink, Sink};
+use crate::output::ledger::manifest::FORMAT;
+use crate::output::ledger::record::Identity;
+use crate::output::sinks::sink::{FileSink, Sink};
+use crate::sample::Sample;
+use crate::sample::SampleKey;
 
 fn identity() -> Identity {
     Identity {

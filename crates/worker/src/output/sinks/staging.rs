@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::output::sample::request_stem;
+use crate::sample::request_stem;
 use crate::{core_err, error::CoreResult};
 
 /// The file name of request `req_id`'s sample: its [`request_stem`] (bounded, safe and distinct for distinct ids,

@@ -8,11 +8,11 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
-use crate::output::format::{by_name, Format};
-use crate::output::journal;
-use crate::output::manifest::Manifest;
-use crate::output::record::{Identity, SampleRecord};
-use crate::output::verify::check_file;
+use crate::output::formats::{by_name, Format};
+use crate::output::ledger::journal;
+use crate::output::ledger::manifest::Manifest;
+use crate::output::ledger::record::{Identity, SampleRecord};
+use crate::output::readers::verify::check_file;
 use crate::{bail, error::CoreResult};
 
 /// A finished sample a resumed run keeps: its record and its token ids (the driver checks them
@@ -36,7 +36,7 @@ pub struct Plan {
 /// The ledger of the capture in `root`: its identity and its records, the journal's last word for
 /// each file winning over the manifest's.
 fn ledger(root: &Path) -> CoreResult<(Option<Identity>, Vec<SampleRecord>, Vec<String>)> {
-    let manifest_path = root.join("manifest.json");
+    let manifest_path = root.join(crate::output::ledger::manifest::FILE);
     let manifest = if manifest_path.exists() { Some(Manifest::read(&manifest_path)?) } else { None };
     if let Some(m) = &manifest {
         if !m.whole_file_checksums() {

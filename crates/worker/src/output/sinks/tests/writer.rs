@@ -1,10 +1,10 @@
 use super::*;
-use crate::attribution::plan::SampleKey;
 use crate::output::atomic::Durability;
-use crate::output::format::by_name;
-use crate::output::journal;
-use crate::output::record::Identity;
-use crate::output::sink::FileSink;
+use crate::output::formats::by_name;
+use crate::output::ledger::journal;
+use crate::output::ledger::record::Identity;
+use crate::output::sinks::sink::FileSink;
+use crate::sample::SampleKey;
 use hscapture_kernels::DType;
 
 fn sample(i: u64) -> Sample {
@@ -125,7 +125,7 @@ fn try_submit_gives_a_sample_back_when_the_queue_is_full_and_loses_nothing() {
 /// Stores nothing: records only.
 struct Counting;
 
-impl crate::output::sink::Sink for Counting {
+impl crate::output::sinks::sink::Sink for Counting {
     fn put(&self, s: &Sample) -> CoreResult<SampleRecord> {
         let SampleKey::Index(i) = s.key else { unreachable!() };
         Ok(SampleRecord { index: Some(i), request_id: None, file: String::new(), length: s.rows, checksum: String::new(), bytes: 0 })

@@ -10,15 +10,17 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::output::atomic::write_atomic;
-use crate::output::record::{Identity, SampleRecord};
+use crate::output::ledger::record::{Identity, SampleRecord};
 use crate::{core_err, ensure, error::CoreResult};
 
 pub const FORMAT: &str = "hscapture/2";
+/// The manifest's file name in an output directory.
+pub const FILE: &str = "manifest.json";
 /// The manifest format before checksums covered whole files.
 pub const FORMAT_V1: &str = "hscapture/1";
 
 fn default_sample_format() -> String {
-    "hscapture".into()
+    crate::output::formats::safetensors::NAME.into()
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -1,35 +1,28 @@
-//! The `hscapture` format: sample files in the layout speculators' training reads —
-//! `hidden_states` `[L, n_layers, H]` and `token_ids` int64 `[L]` in a safetensors file (read with the
-//! `safetensors` crate; written without copying the tensor data, the header's keys sorted); optionally the states
-//! byte-plane split and zstd-compressed (`hidden_states.zst`, see `compress.rs`). The header's
-//! metadata carries the capture's settings (`hscapture.identity`, and for readers that look for them
-//! `format`, `convention`, `layer_ids`, `model`).
+//! The per-sample safetensors file that the `hscapture` and `fp8` formats share: its naming
+//! (`hidden_states/hs_{i}.safetensors`), the helpers that write its header and tensors, and the one reader of all
+//! its variants — states in the model's or the store dtype, byte-plane compressed (`compress.rs`), or e4m3fn codes
+//! with a scale per token (dequantized to bf16). The header's metadata carries the capture's identity.
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 
 use safetensors::{Dtype, SafeTensors};
 
-use crate::attribution::plan::SampleKey;
-use crate::output::format::Format;
-use crate::output::record::Identity;
-use crate::output::sample::{file_stem, LoadedSample, Sample};
+use crate::output::formats::compress;
+use crate::output::ledger::record::Identity;
+use crate::sample::SampleKey;
+use crate::sample::{file_stem, LoadedSample, Sample};
 use crate::{core_err, ensure, error::CoreResult};
-use hscapture_kernels::DType;
+use hscapture_kernels::{fp8, DType};
 
 /// The version of the file layout, in every file's metadata (`format`).
 pub const FILE_FORMAT: &str = "hscapture/1";
+
 /// The tensor holding compressed states (U8), and the metadata keys that describe them.
 pub const COMPRESSED: &str = "hidden_states.zst";
-const META_CODEC: &str = "hscapture.compression";
-const META_SHAPE: &str = "hscapture.shape";
-const META_DTYPE: &str = "hscapture.dtype";
+pub const META_CODEC: &str = "hscapture.compression";
+pub const META_SHAPE: &str = "hscapture.shape";
+pub const META_DTYPE: &str = "hscapture.dtype";
 pub const META_IDENTITY: &str = "hscapture.identity";
-
-pub struct Safetensors {
-    /// zstd level of byte-plane compression (`compress.rs`); None stores the states as they are.
-    pub compress: Option<i32>,
-}
 
 pub fn st_dtype(d: DType) -> Dtype {
     match d {
@@ -104,36 +97,6 @@ pub fn check_sample(sample: &Sample) -> CoreResult<()> {
     Ok(())
 }
 
-/// The parts of `sample`'s file with the given metadata (the states borrowed, not copied).
-pub fn encode_with<'a>(sample: &'a Sample, mut metadata: HashMap<String, String>, compress: Option<i32>) -> CoreResult<Vec<Cow<'a, [u8]>>> {
-    check_sample(sample)?;
-    refuse_quantized(sample, "hscapture")?;
-    let tokens = token_bytes(sample);
-    let ti = Tensor { name: "token_ids", dtype: "I64", shape: vec![sample.token_ids.len()], bytes: tokens.len() };
-    let (head, states) = match compress {
-        Some(level) => {
-            let packed = crate::output::compress::encode(&sample.data, sample.dtype.size(), level)?;
-            let [l, n, h] = sample.shape();
-            metadata.insert(META_CODEC.into(), crate::output::compress::CODEC.into());
-            metadata.insert(META_SHAPE.into(), format!("{l},{n},{h}"));
-            metadata.insert(META_DTYPE.into(), format!("{:?}", st_dtype(sample.dtype)));
-            let z = Tensor { name: COMPRESSED, dtype: "U8", shape: vec![packed.len()], bytes: packed.len() };
-            (header(&[ti, z], metadata)?, Cow::Owned(packed))
-        }
-        None => {
-            let hs = Tensor {
-                name: "hidden_states",
-                dtype: sample.dtype.safetensors_name(),
-                shape: sample.shape().to_vec(),
-                bytes: sample.data.len(),
-            };
-            (header(&[ti, hs], metadata)?, Cow::Borrowed(sample.data.as_slice()))
-        }
-    };
-    Ok(vec![Cow::Owned(head), Cow::Owned(tokens), states])
-}
-
-/// A format that stores states as captured cannot take a device-quantized sample (a session wired wrongly).
 pub fn refuse_quantized(sample: &Sample, format: &str) -> CoreResult<()> {
     ensure!(
         sample.scales.is_none(),
@@ -171,76 +134,43 @@ pub fn index_in(name: &str) -> Option<u64> {
     name.strip_prefix("hs_")?.strip_suffix(".safetensors")?.parse().ok()
 }
 
-impl Format for Safetensors {
-    fn name(&self) -> &'static str {
-        "hscapture"
-    }
+/// The tensor of per-token scales (speculators' `SCALES_KEY`).
+pub const SCALES: &str = "hidden_states_scales";
+/// The torch name of the stored dtype (the capture's identity records it).
+pub const STORED: &str = "float8_e4m3fn";
 
-    fn file(&self, key: &SampleKey) -> String {
-        file_of(key)
+/// Reads a per-sample file of either format (`what` names it in errors).
+pub fn read(bytes: &[u8], what: &str) -> CoreResult<LoadedSample> {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| {
+        core_err!(Output, "{what} is not a valid safetensors file ({e}); it may be truncated: delete it and re-run to recapture")
+    })?;
+    let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| core_err!(Output, "{what}: {e}"))?;
+    let metadata = meta.metadata().clone().unwrap_or_default();
+    let ti = st.tensor("token_ids").map_err(|e| core_err!(Output, "{what}: no `token_ids` tensor ({e})"))?;
+    let token_ids = token_ids(&ti, what)?;
+    if metadata.contains_key(META_CODEC) {
+        return decode_compressed(&st, metadata, token_ids, what);
     }
-
-    fn folder(&self) -> &'static str {
-        FOLDER
+    let hs = st.tensor("hidden_states").map_err(|e| core_err!(Output, "{what}: no `hidden_states` tensor ({e})"))?;
+    if hs.dtype() == Dtype::F8_E4M3 {
+        return dequantize(&st, &hs, metadata, token_ids, what);
     }
-
-    fn aliases(&self) -> &'static [&'static str] {
-        &["file"]
-    }
-
-    fn file_pattern(&self) -> &'static str {
-        PATTERN
-    }
-
-    fn compressible(&self) -> bool {
-        true
-    }
-
-    fn index_of(&self, name: &str) -> Option<u64> {
-        index_in(name)
-    }
-
-    fn encode<'a>(&self, sample: &'a Sample, identity: &Identity) -> CoreResult<Vec<Cow<'a, [u8]>>> {
-        encode_with(sample, identity_metadata(identity)?, self.compress)
-    }
-
-    fn decode(&self, bytes: &[u8], what: &str) -> CoreResult<LoadedSample> {
-        let st = SafeTensors::deserialize(bytes).map_err(|e| {
-            core_err!(Output, "{what} is not a valid safetensors file ({e}); it may be truncated: delete it and re-run to recapture")
-        })?;
-        let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| core_err!(Output, "{what}: {e}"))?;
-        let metadata = meta.metadata().clone().unwrap_or_default();
-        let ti = st.tensor("token_ids").map_err(|e| core_err!(Output, "{what}: no `token_ids` tensor ({e})"))?;
-        let token_ids = token_ids(&ti, what)?;
-        if metadata.contains_key(META_CODEC) {
-            return decode_compressed(&st, metadata, token_ids, what);
-        }
-        let hs = st.tensor("hidden_states").map_err(|e| core_err!(Output, "{what}: no `hidden_states` tensor ({e})"))?;
-        if hs.dtype() == Dtype::F8_E4M3 {
-            return crate::output::fp8::decode(&st, &hs, metadata, token_ids, what);
-        }
-        let dtype = from_st(hs.dtype())
-            .ok_or_else(|| core_err!(Output, "{what}: `hidden_states` has dtype {:?}, expected F32, BF16 or F16", hs.dtype()))?;
-        let shape: [usize; 3] =
-            hs.shape().try_into().map_err(|_| core_err!(Output, "{what}: `hidden_states` {:?} is not [L, n_layers, H]", hs.shape()))?;
-        ensure!(
-            shape[0] == token_ids.len(),
-            Output,
-            "{what}: `hidden_states` {shape:?} and `token_ids` [{}] do not form [L, n_layers, H] and [L]",
-            token_ids.len()
-        );
-        Ok(LoadedSample::new(token_ids, shape, dtype, hs.data().to_vec(), metadata))
-    }
+    let dtype = from_st(hs.dtype())
+        .ok_or_else(|| core_err!(Output, "{what}: `hidden_states` has dtype {:?}, expected F32, BF16 or F16", hs.dtype()))?;
+    let shape: [usize; 3] =
+        hs.shape().try_into().map_err(|_| core_err!(Output, "{what}: `hidden_states` {:?} is not [L, n_layers, H]", hs.shape()))?;
+    ensure!(
+        shape[0] == token_ids.len(),
+        Output,
+        "{what}: `hidden_states` {shape:?} and `token_ids` [{}] do not form [L, n_layers, H] and [L]",
+        token_ids.len()
+    );
+    Ok(LoadedSample::new(token_ids, shape, dtype, hs.data().to_vec(), metadata))
 }
 
 fn decode_compressed(st: &SafeTensors<'_>, metadata: HashMap<String, String>, token_ids: Vec<i64>, what: &str) -> CoreResult<LoadedSample> {
     let codec = metadata.get(META_CODEC).map(String::as_str).unwrap_or("");
-    ensure!(
-        codec == crate::output::compress::CODEC,
-        Output,
-        "{what}: compressed with {codec:?}; this hscapture reads {}",
-        crate::output::compress::CODEC
-    );
+    ensure!(codec == compress::CODEC, Output, "{what}: compressed with {codec:?}; this hscapture reads {}", compress::CODEC);
     let dims: Vec<usize> = metadata.get(META_SHAPE).map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect()).unwrap_or_default();
     let shape: [usize; 3] = dims
         .as_slice()
@@ -261,10 +191,46 @@ fn decode_compressed(st: &SafeTensors<'_>, metadata: HashMap<String, String>, to
         .try_fold(dtype.size(), |a, &d| a.checked_mul(d))
         .ok_or_else(|| core_err!(Output, "{what}: compressed states of shape {shape:?} overflow; the file is damaged"))?;
     let z = st.tensor(COMPRESSED).map_err(|e| core_err!(Output, "{what}: no `{COMPRESSED}` tensor ({e})"))?;
-    let data = crate::output::compress::decode(z.data(), dtype.size(), len, what)?;
+    let data = compress::decode(z.data(), dtype.size(), len, what)?;
     Ok(LoadedSample::new(token_ids, shape, dtype, data, metadata))
 }
 
-#[cfg(test)]
-#[path = "tests/safetensors.rs"]
-mod tests;
+/// Reads an fp8 file's states (`hs`, already found to be F8_E4M3) and dequantizes them to bf16.
+fn dequantize(
+    st: &SafeTensors<'_>,
+    hs: &safetensors::tensor::TensorView<'_>,
+    metadata: HashMap<String, String>,
+    token_ids: Vec<i64>,
+    what: &str,
+) -> CoreResult<LoadedSample> {
+    let shape: [usize; 3] =
+        hs.shape().try_into().map_err(|_| core_err!(Output, "{what}: `hidden_states` {:?} is not [L, n_layers, H]", hs.shape()))?;
+    let rows = token_ids.len();
+    ensure!(shape[0] == rows, Output, "{what}: `hidden_states` {shape:?} and `token_ids` [{rows}] do not form [L, n_layers, H] and [L]");
+    let sc = st.tensor(SCALES).map_err(|e| {
+        core_err!(Output, "{what}: fp8 `hidden_states` without `{SCALES}` ({e}); the file cannot be dequantized: recapture it")
+    })?;
+    ensure!(
+        sc.dtype() == Dtype::F32 && sc.shape() == [rows, 1, 1],
+        Output,
+        "{what}: `{SCALES}` is {:?} {:?}, expected F32 [{rows}, 1, 1]",
+        sc.dtype(),
+        sc.shape()
+    );
+    let scales: Vec<f32> = sc.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    if let Some((t, s)) = scales.iter().enumerate().find(|(_, s)| !(s.is_finite() && **s > 0.0)) {
+        return Err(core_err!(
+            Output,
+            "{what}: token {t}'s scale is {s}, expected a finite positive number; the file is damaged: recapture it"
+        ));
+    }
+    let per_token = shape[1] * shape[2];
+    let mut data = vec![0u8; hs.data().len() * 2];
+    for (i, &code) in hs.data().iter().enumerate() {
+        let v = fp8::dequantize_bf16(code, scales[i / per_token.max(1)]);
+        data[2 * i..2 * i + 2].copy_from_slice(&v.to_le_bytes());
+    }
+    let mut s = LoadedSample::new(token_ids, shape, DType::BF16, data, metadata);
+    s.stored = STORED.to_string();
+    Ok(s)
+}

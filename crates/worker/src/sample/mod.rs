@@ -1,9 +1,29 @@
-//! An assembled sample: every captured layer of every prompt token of one request.
+//! What both sides of the core share, at its bottom: a sample ([`Sample`], named by a [`SampleKey`]) as capture
+//! assembles it and output stores it, a sample read back ([`LoadedSample`]), the recycled buffers its bytes live in
+//! ([`pool`]), and the check for states no layer produces ([`degenerate`]). It imports nothing of the core.
+
+pub mod degenerate;
+pub mod pool;
 
 use std::collections::HashMap;
 
-use crate::attribution::plan::SampleKey;
 use hscapture_kernels::DType;
+
+/// How a finished sample is named: by its index in the input (`hs_{i}`) or by vLLM's request id.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum SampleKey {
+    Index(u64),
+    Request(String),
+}
+
+impl std::fmt::Display for SampleKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SampleKey::Index(i) => write!(f, "sample {i}"),
+            SampleKey::Request(r) => write!(f, "request {r:?}"),
+        }
+    }
+}
 
 /// `hidden_states` `[rows, slots, width]` in `dtype` (row-major) and the prompt's `token_ids` — or, with `scales`,
 /// those states quantized on the device: e4m3fn codes (one byte per value) and one scale per row (`output/fp8.rs`).
@@ -103,10 +123,4 @@ pub fn request_stem(req_id: &str) -> String {
     }
     let prefix: String = req_id.chars().take(PREFIX_MAX).map(|c| if safe_char(c) { c } else { '_' }).collect();
     format!("{}~{:032x}", prefix.trim_start_matches('.'), xxhash_rust::xxh3::xxh3_128(req_id.as_bytes()))
-}
-
-/// xxh3-64 of the hidden-state bytes, as `xxh3:<16 hex digits>`: what manifests of format
-/// `hscapture/1` recorded (those of `hscapture/2` record the whole file's checksum).
-pub fn content_checksum(data: &[u8]) -> String {
-    crate::output::record::file_checksum(data)
 }

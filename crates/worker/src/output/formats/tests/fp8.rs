@@ -1,6 +1,7 @@
 use super::*;
-use crate::output::format::{by_name, read_sample_file};
+use crate::output::formats::{by_name, read_sample_file};
 use half::bf16;
+use safetensors::{Dtype, SafeTensors};
 
 fn identity() -> Identity {
     Identity {

@@ -5,14 +5,14 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::attribution::plan::SampleKey;
 use crate::output::atomic::{write_placed, writeback, Durability};
-use crate::output::dirlock::WriterLock;
-use crate::output::format::Format;
-use crate::output::journal::Journal;
-use crate::output::record::{Identity, SampleRecord};
-use crate::output::sample::Sample;
-use crate::output::staging::{self, Locks};
+use crate::output::formats::Format;
+use crate::output::ledger::journal::Journal;
+use crate::output::ledger::record::{Identity, SampleRecord};
+use crate::output::sinks::dirlock::WriterLock;
+use crate::output::sinks::staging::{self, Locks};
+use crate::sample::Sample;
+use crate::sample::SampleKey;
 use crate::{core_err, ensure, error::CoreResult};
 
 pub trait Sink: Send + Sync {
@@ -76,10 +76,6 @@ impl FileSink {
             }
         };
         Ok(FileSink { _lock: lock, root: root.to_path_buf(), format, identity, durability, journal, locks })
-    }
-
-    pub fn root(&self) -> &Path {
-        &self.root
     }
 }
 

@@ -81,3 +81,8 @@ def sched(new=(), cached=(), n=None, finished=(), resumed=()):
         finished_req_ids=set(finished),
         preempted_req_ids=set(),
     )
+
+
+def directory(root, **files) -> dict:
+    """A capture directory at ``root`` as the core's destination description (``files``: format, compress, durable)."""
+    return {"kind": "directory", "root": str(root), **files}

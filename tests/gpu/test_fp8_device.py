@@ -47,7 +47,7 @@ def _capture(out: Path, steps, tensors, *, fmt: str, dtype: str, device: bool, r
         dtype,
         dtype,
         assemble=True,
-        output=_native.Output(str(out), format=fmt, durable=False, model="t"),
+        output=_native.Output({"kind": "directory", "root": str(out), "format": fmt, "durable": False}, model="t"),
     )
     if device:
         s.enable_device(torch.cuda.current_device(), 128, max(ring, 1) + int(overlap), overlap, fmt == "fp8")

@@ -90,8 +90,31 @@ def test_writeback_is_a_durability_between_rename_and_fsync(monkeypatch, tmp_pat
     assert (
         from_sources({"hscapture": {**base["hscapture"], "durable": "writeback"}}, {"out": "/d"}).durable == "writeback"
     )
-    _native.Output(str(tmp_path), durable=_native.DURABLE_WRITEBACK, staging=True)
+    _native.Output({"kind": "staging", "root": str(tmp_path), "durable": _native.DURABLE_WRITEBACK})
     with pytest.raises(ConfigError, match="writeback"):
         from_sources({"hscapture": {**base["hscapture"], "durable": "later"}}, {"out": "/d"})
     with pytest.raises(_native.ConfigError, match="expected true, false or"):
-        _native.Output(str(tmp_path), durable="later")
+        _native.Output({"kind": "directory", "root": str(tmp_path), "durable": "later"})
+
+
+@pytest.mark.parametrize(
+    "desc,why",
+    [
+        (
+            {"kind": "store", "client": object(), "root": "/x"},
+            r'a store destination takes \["kind", "client"\]; found "root"',
+        ),
+        ({"kind": "directory", "root": "/x", "backlog_mib": 1}, r'a directory destination takes .*found "backlog_mib"'),
+        (
+            {"kind": "parquet"},
+            r'destination kind "parquet": expected one of \["memory", "directory", "staging", "store"\]',
+        ),
+        ({"root": "/x"}, "a destination without a kind"),
+        ({"kind": "staging"}, "a staging destination needs a root"),
+    ],
+)
+def test_a_destination_takes_only_its_own_settings(desc, why):
+    """Where samples go is one description, and each kind takes only what it needs: an object store has no root or
+    compression to be given (the rule is the shape of the type, not a check repeated in each language)."""
+    with pytest.raises(ConfigError, match=why):
+        _native.Output(desc)

@@ -14,7 +14,7 @@ import torch
 from hscapture import _native, load_sample
 from hscapture.adapters.vllm_compat import LOSS_MASK_KEY, SAMPLE_KEY, step_of
 from hscapture.output import formats
-from support import sched
+from support import directory, sched
 
 H, N = 16, 3
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
@@ -40,7 +40,7 @@ def capture(root, masks=None, dtype="bfloat16"):
         "float32",
         dtype,
         assemble=True,
-        output=_native.Output(str(root), durable=True, format="legacy", model="m"),
+        output=_native.Output(directory(root, durable=True, format="legacy"), model="m"),
     )
     states = {}
     for i, p in enumerate(PROMPTS):

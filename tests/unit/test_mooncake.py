@@ -43,7 +43,7 @@ def session(client):
         "float32",
         "float32",
         assemble=True,
-        output=_native.Output(format="mooncake", store=client),
+        output=_native.Output({"kind": "store", "client": client}),
     )
 
 

@@ -19,7 +19,7 @@ from hscapture import (
     load_sample,
 )
 from hscapture.adapters.vllm_compat import SAMPLE_KEY, step_of
-from support import new_req, sched
+from support import directory, new_req, sched
 
 H = 8
 
@@ -33,7 +33,7 @@ def session(tmp_path=None, layers=(1, 3), assemble=True):
         "float32",
         "float32",
         assemble=assemble,
-        output=_native.Output(str(tmp_path) if tmp_path else None, durable=False),
+        output=_native.Output(directory(tmp_path, durable=False) if tmp_path else None),
     )
 
 
@@ -212,7 +212,7 @@ def test_compressed_output_reads_back_identical_and_verifies(tmp_path):
             "float32",
             "bfloat16",
             assemble=True,
-            output=_native.Output(str(tmp_path / name), durable=False, compress=level),
+            output=_native.Output(directory(tmp_path / name, durable=False, compress=level)),
         )
         run(s, so, ["a"], lambda slot, rows: torch.sin(rows_tagged(slot, rows) * 0.1))
         s.finish()
@@ -230,7 +230,7 @@ def test_compressed_output_reads_back_identical_and_verifies(tmp_path):
             "float32",
             "float32",
             assemble=True,
-            output=_native.Output(str(tmp_path / "x"), compress=40),
+            output=_native.Output(directory(tmp_path / "x", compress=40)),
         )
 
 
@@ -281,3 +281,16 @@ def test_assembly_mode_and_ring_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("HSCAPTURE_ASSEMBLY", "threads")
     with pytest.raises(ConfigError, match="background` or `inline"):
         _assembly_ring()
+
+
+def test_an_io_error_reaches_python_as_the_cause_with_its_errno(tmp_path):
+    """Errors keep their source: an OutputError from the file system has the OSError (with its errno) as its
+    ``__cause__``, so a caller can tell a missing file or a full disk from anything else."""
+    import errno
+
+    with pytest.raises(OutputError) as e:
+        _native.read_sample(str(tmp_path / "nowhere" / "hs_0.safetensors"))
+    assert isinstance(e.value.__cause__, OSError) and e.value.__cause__.errno == errno.ENOENT
+    with pytest.raises(OutputError) as e:
+        _native.read_manifest(str(tmp_path / "manifest.json"))
+    assert isinstance(e.value.__cause__, OSError) and e.value.__cause__.errno == errno.ENOENT

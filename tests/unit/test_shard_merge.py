@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from hscapture import ConfigError, OutputError, _native
 from hscapture.cli.merge import run_merge
 from hscapture.cli.shard import Shard, ShardInfo, check_resume
-from support import new_req, sched
+from support import directory, new_req, sched
 
 ROWS, H = 5, 8
 
@@ -160,7 +160,7 @@ def test_merge_legacy_shards(tmp_path):
             "float32",
             "bfloat16",
             assemble=True,
-            output=_native.Output(str(root), durable=False, format="legacy", model="/models/tiny"),
+            output=_native.Output(directory(root, durable=False, format="legacy"), model="/models/tiny"),
         )
         for i in range(k, ROWS, 2):
             so = sched(new=[new_req(f"r{i}", list(range(i + 1)), i)], n={f"r{i}": i + 1})

@@ -21,7 +21,7 @@ use hscapture_worker::attribution::layers::{Convention, LayerPlan};
 use hscapture_worker::attribution::plan::{NewRequest, StepInput};
 use hscapture_worker::capture::session::SessionConfig;
 use hscapture_worker::capture::tensor::{Device, TensorDesc};
-use hscapture_worker::worker::{OutputSettings, WorkerSession};
+use hscapture_worker::worker::{Destination, Files, OutputSettings, WorkerSession};
 use hscapture_worker::CoreResult;
 
 const SLOTS: usize = 4;
@@ -42,19 +42,16 @@ fn run(out: PathBuf, background: bool, steps: usize, fwd: Duration, reqs: usize,
         assemble: true,
     };
     let settings = OutputSettings {
-        root: Some(out.clone()),
-        format: "hscapture".into(),
-        compress: None,
+        destination: Destination::Directory(Files {
+            root: out.clone(),
+            format: "hscapture".into(),
+            compress: None,
+            durability: hscapture_worker::output::atomic::Durability::Rename,
+        }),
         model: "bench".into(),
         threads: 8,
         queue: 64,
-        durability: hscapture_worker::output::atomic::Durability::Rename,
-        staging: false,
-        staging_backlog: 0,
-        staging_collect: hscapture_worker::output::sinks::janitor::COLLECT_WITHIN,
         max_growing_sample: u64::MAX,
-        slow_disk: Default::default(),
-        store: None,
     };
     // The worker's own path: the session feeding the writer (from the assembler thread, in the background).
     let mut s = WorkerSession::new(cfg, settings)?;

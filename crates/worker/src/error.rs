@@ -39,16 +39,61 @@ impl ErrorKind {
     }
 }
 
-/// An error of the core: a kind and a complete, lowercase message.
+/// What caused an error outside the core, kept with its kind: an I/O error's kind and OS error number, or another
+/// library's error. Python sees it as the exception's `__cause__` (an `OSError` with its `errno` for I/O), so a
+/// full disk is `ENOSPC` to a caller's code, not only words in a message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Cause {
+    Io { kind: std::io::ErrorKind, errno: Option<i32>, text: String },
+    Library { name: &'static str, text: String },
+}
+
+impl From<&std::io::Error> for Cause {
+    fn from(e: &std::io::Error) -> Cause {
+        Cause::Io { kind: e.kind(), errno: e.raw_os_error(), text: e.to_string() }
+    }
+}
+
+impl From<&serde_json::Error> for Cause {
+    fn from(e: &serde_json::Error) -> Cause {
+        Cause::Library { name: "serde_json", text: e.to_string() }
+    }
+}
+
+impl From<&safetensors::SafeTensorError> for Cause {
+    fn from(e: &safetensors::SafeTensorError) -> Cause {
+        Cause::Library { name: "safetensors", text: e.to_string() }
+    }
+}
+
+impl fmt::Display for Cause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Cause::Io { text, .. } => f.write_str(text),
+            Cause::Library { name, text } => write!(f, "{name}: {text}"),
+        }
+    }
+}
+
+impl std::error::Error for Cause {}
+
+/// An error of the core: a kind, a complete, lowercase message, and what caused it outside the core, if anything.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CoreError {
     pub kind: ErrorKind,
     pub message: String,
+    pub cause: Option<Cause>,
 }
 
 impl CoreError {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        CoreError { kind, message: message.into() }
+        CoreError { kind, message: message.into(), cause: None }
+    }
+
+    /// The same error, keeping what caused it (`.caused_by(&io_error)`).
+    pub fn caused_by(mut self, cause: impl Into<Cause>) -> Self {
+        self.cause = Some(cause.into());
+        self
     }
 }
 
@@ -58,7 +103,11 @@ impl fmt::Display for CoreError {
     }
 }
 
-impl std::error::Error for CoreError {}
+impl std::error::Error for CoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.cause.as_ref().map(|c| c as &(dyn std::error::Error + 'static))
+    }
+}
 
 pub type CoreResult<T> = Result<T, CoreError>;
 

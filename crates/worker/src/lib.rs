@@ -9,7 +9,8 @@
 //! - [`attribution`]: which rows of a step are whose, and which layers are captured where;
 //! - [`ranks`]: what crosses ranks (the ranks' agreement, checksums, the residual's row layout, pipeline-stage
 //!   messages);
-//! - [`sample`]: what both sides share: a sample, its key, its buffers, the degenerate-states check;
+//! - [`sample`]: what both sides share: a sample, its key, its buffers, the degenerate-states check, and the
+//!   `Handoff` through which capture passes samples to the output (capture imports nothing of `output`);
 //! - [`error`], [`failure`]: the one error type and a capture's one failure flag.
 
 pub mod attribution;

@@ -69,7 +69,8 @@ class HscaptureConnector(KVConnectorBase_V1):
             from .adapters.early_check import check
 
             check(vllm_config)  # the capture must be set up (a worker class that captures, valid settings)
-            from .capture.wiring import max_growing_sample_mib, model_facts
+            from .adapters.requested import max_growing_sample_mib
+            from .capture.wiring import model_facts
 
             cfg = capture_config(vllm_config)
             n_layers, hidden, model_dtype, _ = model_facts(vllm_config)

@@ -32,7 +32,7 @@ use crate::capture::device::PinnedStep;
 use crate::capture::rows::StepRows;
 use crate::capture::scatter::{Scatter, ScatterJob};
 use crate::failure::Failure;
-use crate::output::sinks::writer::Submitter;
+use crate::sample::Handoff;
 use crate::sample::Sample;
 use crate::{core_err, error::CoreResult};
 
@@ -57,7 +57,7 @@ impl StepBuffer {
 enum Msg {
     Step(ScatterJob, StepBuffer),
     Drop(String),
-    Sink(Option<Submitter>),
+    Sink(Option<Box<dyn Handoff>>),
     Quantize,
     /// From now on a step's samples wait for its release.
     Gate,
@@ -88,7 +88,7 @@ pub struct Assembler {
 
 /// Where the thread's samples go: held (gated, not released), the writer (a sink), or the worker's list.
 struct Outlet {
-    sink: Option<Submitter>,
+    sink: Option<Box<dyn Handoff>>,
     gated: bool,
     released: Option<u64>,
     held: Vec<(u64, Sample)>,
@@ -192,7 +192,7 @@ impl Assembler {
         let handle = std::thread::Builder::new()
             .name("hscapture-assembler".into())
             .spawn(move || run(rx, back_tx, r, f, scatter))
-            .map_err(|e| core_err!(Output, "cannot start the assembler thread: {e}"))?;
+            .map_err(|e| core_err!(Output, "cannot start the assembler thread: {e}").caused_by(&e))?;
         Ok(Assembler { tx: Some(tx), back, ready, failure, held, handle: Some(handle) })
     }
 
@@ -216,7 +216,7 @@ impl Assembler {
     /// Where completed samples go from now on: the writer (through `w`), or, with None, the list
     /// `take_ready` empties. Returns once the thread has switched (and dropped any earlier submitter,
     /// so a writer can finish).
-    pub fn set_sink(&self, w: Option<Submitter>) -> CoreResult<()> {
+    pub fn set_sink(&self, w: Option<Box<dyn Handoff>>) -> CoreResult<()> {
         self.send(Msg::Sink(w))?;
         self.fence()
     }

@@ -28,8 +28,8 @@ pub use crate::capture::step::{Aborted, SessionConfig, SessionStats, StepOutcome
 use crate::capture::step_buffers::StepBuffers;
 use crate::capture::tensor::{Device, TensorDesc};
 use crate::failure::Failure;
-use crate::output::sinks::writer::Submitter;
 use crate::sample::pool::BufferPool;
+use crate::sample::Handoff;
 use crate::sample::Sample;
 use crate::sample::SampleKey;
 use crate::{bail, ensure, error::CoreResult};
@@ -117,7 +117,7 @@ impl Session {
     }
 
     /// Where the assembler thread hands completed samples: the writer, or `take_ready` (None).
-    pub fn set_sink(&mut self, w: Option<Submitter>) -> CoreResult<()> {
+    pub fn set_sink(&mut self, w: Option<Box<dyn Handoff>>) -> CoreResult<()> {
         self.buffers.set_sink(w)
     }
 

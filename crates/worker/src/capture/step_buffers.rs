@@ -17,8 +17,8 @@ use crate::capture::device_steps::DeviceSteps;
 use crate::capture::scatter::{Geometry, Refusals, Scatter, ScatterJob};
 use crate::capture::tensor::TensorDesc;
 use crate::failure::Failure;
-use crate::output::sinks::writer::Submitter;
 use crate::sample::pool::BufferPool;
+use crate::sample::Handoff;
 use crate::sample::Sample;
 use crate::{bail, ensure, error::CoreResult};
 use hscapture_kernels::{capture_rows, RowRun};
@@ -104,7 +104,7 @@ impl StepBuffers {
 
     /// Background assembly: completed samples go from the assembler thread straight to the writer
     /// (`Some`), or wait for [`StepBuffers::take_ready`] (`None`: also what lets a writer finish).
-    pub fn set_sink(&mut self, w: Option<Submitter>) -> CoreResult<()> {
+    pub fn set_sink(&mut self, w: Option<Box<dyn Handoff>>) -> CoreResult<()> {
         match &self.scattering {
             Scattering::Background(a) => a.set_sink(w),
             Scattering::Inline(_) => Ok(()),

@@ -41,7 +41,7 @@ pub fn io_err(what: &str, path: &Path, e: std::io::Error) -> crate::error::CoreE
         ErrorKind::NotADirectory => "; a part of the path is a file, not a directory",
         _ => "",
     };
-    crate::core_err!(Output, "{what} {}: {e}{hint}", path.display())
+    crate::core_err!(Output, "{what} {}: {e}{hint}", path.display()).caused_by(&e)
 }
 
 /// A writer that hashes what passes through it.

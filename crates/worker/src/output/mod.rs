@@ -1,4 +1,5 @@
 //! The output side: what a finished sample becomes.
+//! - [`destination`]: where a worker's samples go, each kind with its own rules;
 //! - [`formats`]: the sample formats, their one interface and registry;
 //! - [`sinks`]: where encoded samples go (files, per-request files, an object store) and the writer threads;
 //! - [`ledger`]: records, the journal and the manifest, which vouch for the files;
@@ -6,6 +7,7 @@
 //! - [`atomic`]: files that appear whole (the one way every file here is written).
 
 pub mod atomic;
+pub mod destination;
 pub mod formats;
 pub mod ledger;
 pub mod readers;

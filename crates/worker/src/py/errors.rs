@@ -2,11 +2,11 @@
 //! `HscaptureError` ← `ConfigError`, `ShapeContractError` (← `NonFiniteError`, `DegenerateStatesError`), `AttributionError`,
 //! `RankMismatchError`, `OutputError`, `CompatibilityError`, `PeerFailedError`, `EngineDiedError`.
 
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::{create_exception, PyErr};
 
-use crate::error::{CoreError, ErrorKind};
+use crate::error::{Cause, CoreError, ErrorKind};
 
 create_exception!(hscapture._native, HscaptureError, PyException, "Base class of every error hscapture raises.");
 create_exception!(hscapture._native, ConfigError, HscaptureError, "Invalid configuration (layer ids, convention, output, options).");
@@ -42,8 +42,8 @@ create_exception!(
 
 impl From<CoreError> for PyErr {
     fn from(e: CoreError) -> PyErr {
-        let m = e.message;
-        match e.kind {
+        let (m, cause) = (e.message, e.cause);
+        let err = match e.kind {
             ErrorKind::Config => ConfigError::new_err(m),
             ErrorKind::ShapeContract => ShapeContractError::new_err(m),
             ErrorKind::NonFinite => NonFiniteError::new_err(m),
@@ -52,7 +52,17 @@ impl From<CoreError> for PyErr {
             ErrorKind::RankMismatch => RankMismatchError::new_err(m),
             ErrorKind::Output => OutputError::new_err(m),
             ErrorKind::Compatibility => CompatibilityError::new_err(m),
+        };
+        if let Some(c) = cause {
+            // What caused it outside the core, as Python's own exception: an OSError carries its errno.
+            let cause = match c {
+                Cause::Io { errno: Some(n), text, .. } => PyOSError::new_err((n, text)),
+                Cause::Io { text, .. } => PyOSError::new_err(text),
+                Cause::Library { name, text } => PyValueError::new_err(format!("{name}: {text}")),
+            };
+            Python::attach(|py| err.set_cause(py, Some(cause)));
         }
+        err
     }
 }
 

@@ -108,7 +108,7 @@ fn capture_identity<'py>(
 /// An identity as the dict its JSON is.
 pub(super) fn identity_dict<'py>(py: Python<'py>, id: &Identity) -> PyResult<Bound<'py, PyDict>> {
     let out = PyDict::new(py);
-    let json = serde_json::to_value(id).map_err(|e| crate::core_err!(Output, "the identity: {e}"))?;
+    let json = serde_json::to_value(id).map_err(|e| crate::core_err!(Output, "the identity: {e}").caused_by(&e))?;
     for (k, v) in json.as_object().into_iter().flatten() {
         out.set_item(k, pythonize(py, v)?)?;
     }

@@ -79,8 +79,8 @@ fn encode_sample<'py>(
     dtype: &str,
 ) -> PyResult<Bound<'py, PyBytes>> {
     guard("encode_sample", || {
-        let identity: Identity =
-            serde_json::from_str(identity_json).map_err(|e| core_err!(Config, "encode_sample: the identity is not valid ({e})"))?;
+        let identity: Identity = serde_json::from_str(identity_json)
+            .map_err(|e| core_err!(Config, "encode_sample: the identity is not valid ({e})").caused_by(&e))?;
         let sample = crate::sample::Sample {
             key: crate::sample::SampleKey::Index(0),
             req_id: String::new(),
@@ -113,7 +113,7 @@ fn write_manifest(py: Python<'_>, path: PathBuf, manifest_json: &str) -> PyResul
 fn read_manifest(py: Python<'_>, path: PathBuf) -> PyResult<String> {
     guard("read_manifest", || {
         let m = py.detach(|| Manifest::read(&path))?;
-        Ok(serde_json::to_string(&m).map_err(|e| core_err!(Output, "cannot encode the manifest: {e}"))?)
+        Ok(serde_json::to_string(&m).map_err(|e| core_err!(Output, "cannot encode the manifest: {e}").caused_by(&e))?)
     })
 }
 
@@ -157,7 +157,8 @@ fn verify_dir(py: Python<'_>, root: PathBuf) -> PyResult<(usize, u64, u64, Vec<S
 #[pyfunction]
 fn resume_plan<'py>(py: Python<'py>, root: PathBuf, identity: &str) -> PyResult<(Bound<'py, PyDict>, Vec<String>, Option<String>)> {
     guard("resume_plan", || {
-        let id: Identity = serde_json::from_str(identity).map_err(|e| core_err!(Config, "the capture identity is not valid: {e}"))?;
+        let id: Identity =
+            serde_json::from_str(identity).map_err(|e| core_err!(Config, "the capture identity is not valid: {e}").caused_by(&e))?;
         let plan = py.detach(|| crate::output::readers::resume::plan(&root, &id))?;
         let d = PyDict::new(py);
         for (i, k) in plan.kept {
@@ -167,7 +168,7 @@ fn resume_plan<'py>(py: Python<'py>, root: PathBuf, identity: &str) -> PyResult<
             .identity
             .map(|i| serde_json::to_string(&i))
             .transpose()
-            .map_err(|e| core_err!(Output, "cannot encode an identity: {e}"))?;
+            .map_err(|e| core_err!(Output, "cannot encode an identity: {e}").caused_by(&e))?;
         Ok((d, plan.recapture, found))
     })
 }

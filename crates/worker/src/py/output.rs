@@ -4,20 +4,26 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use super::errors::guard;
 use super::store::PyStore;
 use crate::output::atomic::Durability;
 use crate::output::sinks::staging::SlowDisk;
-use crate::worker::{defaults, OutputSettings, StoreHandle};
+use crate::worker::{defaults, Destination, Files, OutputSettings};
 
-/// Where a session's samples go, built once: `Output(out_dir)` writes a capture directory in `format` with
-/// `writer_threads` threads; with `staging`, per-request files a client collects (`output/sinks/staging.rs`; at most
-/// `staging_backlog_mib` of complete samples waiting for their files after a release); with `store` (an object
-/// store's client, `py/store.rs`) and format `mooncake`, packed objects in that store instead (`output/sinks/store.rs`).
-/// `durable`: true (each file and its directory fsync'd), false (renamed into place only) or "writeback" (each file's
-/// data written back by its writer thread right after it is in place; `output/atomic.rs`).
-/// A session without one keeps completed samples in memory for `take_samples()`.
+/// Where a session's samples go, built once: `Output(destination)` with `destination` a description of one kind
+/// (`adapters/requested.py` builds it; each kind takes only its own keys, anything else is a `ConfigError`):
+/// - `{"kind": "memory"}` (or None): completed samples kept for `take_samples()`;
+/// - `{"kind": "directory", "root", "format", "compress", "durable"}`: a capture directory;
+/// - `{"kind": "staging", "root", "format", "compress", "durable", "backlog_mib", "collect_s"}`: per-request files a
+///   client collects (`output/sinks/staging.rs`);
+/// - `{"kind": "store", "client"}`: packed objects in an object store through its client (`py/store.rs`).
+///
+/// `durable`: true (each file and its directory fsync'd; the default), false (renamed into place only) or
+/// "writeback" (each file's data written back by its writer thread right after it is in place; `output/atomic.rs`).
+/// `writer_threads` threads write, with at most `writer_queue` samples waiting; `max_growing_sample_mib` bounds a
+/// sample that grows with its generated tokens.
 #[pyclass(module = "hscapture._native", frozen)]
 pub struct Output {
     settings: OutputSettings,
@@ -30,7 +36,7 @@ impl Output {
 }
 
 /// `durable` as given: a bool (default true) or the writeback level's name.
-fn durability(durable: Option<&Bound<'_, PyAny>>) -> PyResult<Durability> {
+fn durability(durable: Option<Bound<'_, PyAny>>) -> PyResult<Durability> {
     let Some(d) = durable else { return Ok(Durability::Fsync) };
     if let Ok(flag) = d.extract::<bool>() {
         return Ok(Durability::from_flag(flag));
@@ -41,57 +47,94 @@ fn durability(durable: Option<&Bound<'_, PyAny>>) -> PyResult<Durability> {
     }
 }
 
+fn mib(v: u64, what: &str) -> PyResult<u64> {
+    v.checked_mul(1 << 20).ok_or_else(|| crate::core_err!(Config, "{what} of {v} MiB: expected at most {} MiB", u64::MAX >> 20).into())
+}
+
+/// The keys each kind of destination takes.
+const KINDS: [(&str, &[&str]); 4] = [
+    ("memory", &["kind"]),
+    ("directory", &["kind", "root", "format", "compress", "durable"]),
+    ("staging", &["kind", "root", "format", "compress", "durable", "backlog_mib", "collect_s"]),
+    ("store", &["kind", "client"]),
+];
+
+/// A destination from its description (see [`Output`]).
+fn destination(d: &Bound<'_, PyDict>) -> PyResult<Destination> {
+    // A key given as None is a key not given.
+    let get = |k: &str| d.get_item(k).map(|v| v.filter(|v| !v.is_none()));
+    let kind: String = get("kind")?
+        .ok_or_else(|| crate::core_err!(Config, "a destination without a kind: expected one of {:?}", KINDS.map(|k| k.0)))?
+        .extract()?;
+    let Some((_, keys)) = KINDS.iter().find(|(k, _)| *k == kind) else {
+        return Err(crate::core_err!(Config, "destination kind {kind:?}: expected one of {:?}", KINDS.map(|k| k.0)).into());
+    };
+    for k in d.keys() {
+        let k: String = k.extract()?;
+        if !keys.contains(&k.as_str()) {
+            return Err(crate::core_err!(Config, "a {kind} destination takes {keys:?}; found {k:?}").into());
+        }
+    }
+    let files = || -> PyResult<Files> {
+        let root: PathBuf = get("root")?.ok_or_else(|| crate::core_err!(Config, "a {kind} destination needs a root"))?.extract()?;
+        let format: String = match get("format")? {
+            Some(f) => f.extract()?,
+            None => defaults::FORMAT.to_string(),
+        };
+        let compress: Option<i32> = get("compress")?.map(|c| c.extract()).transpose()?;
+        Ok(Files { root, format, compress, durability: durability(get("durable")?)? })
+    };
+    Ok(match kind.as_str() {
+        "directory" => Destination::Directory(files()?),
+        "staging" => {
+            let backlog_mib: u64 = get("backlog_mib")?.map(|v| v.extract()).transpose()?.unwrap_or(defaults::STAGING_BACKLOG_MIB);
+            let collect_s: u64 = get("collect_s")?.map(|v| v.extract()).transpose()?.unwrap_or(defaults::STAGING_COLLECT_S);
+            Destination::Staging {
+                files: files()?,
+                backlog: mib(backlog_mib, "a staging backlog")?,
+                collect_within: std::time::Duration::from_secs(collect_s),
+                slow_disk: SlowDisk::default(),
+            }
+        }
+        "store" => {
+            let client = get("client")?.ok_or_else(|| crate::core_err!(Config, "a store destination needs its client"))?;
+            Destination::Store(Arc::new(PyStore::new(client.unbind())))
+        }
+        _ => Destination::Memory,
+    })
+}
+
 #[pymethods]
 impl Output {
     #[new]
-    #[pyo3(signature = (out_dir=None, *, format=defaults::FORMAT.to_string(), writer_threads=4, writer_queue=defaults::WRITER_QUEUE, durable=None, compress=None, model=String::new(), staging=false, staging_backlog_mib=defaults::STAGING_BACKLOG_MIB, staging_collect_s=defaults::STAGING_COLLECT_S, max_growing_sample_mib=defaults::MAX_GROWING_SAMPLE_MIB, store=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (destination=None, *, writer_threads=4, writer_queue=defaults::WRITER_QUEUE, model=String::new(), max_growing_sample_mib=defaults::MAX_GROWING_SAMPLE_MIB))]
     fn new(
-        out_dir: Option<PathBuf>,
-        format: String,
+        destination: Option<&Bound<'_, PyDict>>,
         writer_threads: usize,
         writer_queue: usize,
-        durable: Option<&Bound<'_, PyAny>>,
-        compress: Option<i32>,
         model: String,
-        staging: bool,
-        staging_backlog_mib: u64,
-        staging_collect_s: u64,
         max_growing_sample_mib: u64,
-        store: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         guard("Output()", || {
-            let durability = durability(durable)?;
-            let staging_backlog = staging_backlog_mib.checked_mul(1 << 20).ok_or_else(|| {
-                crate::core_err!(Config, "staging backlog of {staging_backlog_mib} MiB: expected at most {} MiB", u64::MAX >> 20)
-            })?;
-            let max_growing_sample = max_growing_sample_mib.checked_mul(1 << 20).ok_or_else(|| {
-                crate::core_err!(Config, "a growing sample bound of {max_growing_sample_mib} MiB: expected at most {} MiB", u64::MAX >> 20)
-            })?;
-            let settings = OutputSettings {
-                root: out_dir,
-                format,
-                compress,
-                model,
-                threads: writer_threads,
-                queue: writer_queue,
-                durability,
-                staging,
-                staging_backlog,
-                staging_collect: std::time::Duration::from_secs(staging_collect_s),
-                max_growing_sample,
-                slow_disk: SlowDisk::default(),
-                store: store.map(|client| StoreHandle(Arc::new(PyStore::new(client)))),
+            let destination = match destination {
+                Some(d) => self::destination(d)?,
+                None => Destination::Memory,
             };
+            let max_growing_sample = mib(max_growing_sample_mib, "a growing sample bound")?;
+            let settings = OutputSettings { destination, model, threads: writer_threads, queue: writer_queue, max_growing_sample };
             Ok(Output { settings })
         })
     }
 
-    /// Tests only: the same output on a slow disk — each per-request file written `delay_ms` late, and first for
-    /// as long as the file `hold` exists (`output/sinks/staging.rs`).
+    /// Tests only: the same per-request files on a slow disk — each written `delay_ms` late, and first for as long
+    /// as the file `hold` exists (`output/sinks/staging.rs`).
     #[pyo3(signature = (delay_ms=0, hold=None))]
-    fn on_slow_disk(&self, delay_ms: u64, hold: Option<PathBuf>) -> Output {
-        let slow_disk = SlowDisk { delay: std::time::Duration::from_millis(delay_ms), hold_while: hold };
-        Output { settings: OutputSettings { slow_disk, ..self.settings.clone() } }
+    fn on_slow_disk(&self, delay_ms: u64, hold: Option<PathBuf>) -> PyResult<Output> {
+        let mut settings = self.settings.clone();
+        let Destination::Staging { slow_disk, .. } = &mut settings.destination else {
+            return Err(crate::core_err!(Config, "a slow disk applies to per-request files (a staging destination) only").into());
+        };
+        *slow_disk = SlowDisk { delay: std::time::Duration::from_millis(delay_ms), hold_while: hold };
+        Ok(Output { settings })
     }
 }

@@ -81,33 +81,33 @@ impl CaptureSession {
 
     /// Capture points in slot order: `("embeddings", 0)` or `("layer_output", k)`.
     fn capture_points(&self) -> PyResult<Vec<(&'static str, usize)>> {
-        guard("capture_points", || Ok(super::functions::points(&self.inner.session().config().layers)))
+        guard("capture_points", || Ok(super::functions::points(self.inner.layers())))
     }
 
     /// Checks that `point` (a compiled graph's tap's) is slot `slot`'s capture point; a `CompatibilityError` if not.
     fn check_point(&self, slot: usize, point: i32) -> PyResult<()> {
-        guard("check_point", || Ok(self.inner.session().check_point(slot, Some(point)).map(|_| ())?))
+        guard("check_point", || Ok(self.inner.check_point(slot, point)?))
     }
 
     /// Each slot's capture point as the number a compiled graph's tap carries (`k`: the output of decoder layer `k`;
     /// -1: the embeddings).
     fn point_codes(&self) -> PyResult<Vec<i32>> {
-        guard("point_codes", || Ok(self.inner.session().config().layers.points().into_iter().map(|p| p.code()).collect()))
+        guard("point_codes", || Ok(self.inner.layers().points().into_iter().map(|p| p.code()).collect()))
     }
 
     #[getter]
     fn layer_ids(&self) -> PyResult<Vec<usize>> {
-        guard("layer_ids", || Ok(self.inner.session().config().layers.ids.clone()))
+        guard("layer_ids", || Ok(self.inner.layers().ids.clone()))
     }
 
     #[getter]
     fn in_step(&self) -> PyResult<bool> {
-        guard("in_step", || Ok(self.inner.session().in_step()))
+        guard("in_step", || Ok(self.inner.in_step()))
     }
 
     #[getter]
     fn planned(&self) -> PyResult<bool> {
-        guard("planned", || Ok(self.inner.session().planned()))
+        guard("planned", || Ok(self.inner.planned()))
     }
 
     /// Registers a step's scheduler output (a `Step`, taken: each step builds its own); returns the reports of
@@ -199,7 +199,7 @@ impl CaptureSession {
 
     #[getter]
     fn background(&self) -> PyResult<bool> {
-        guard("background", || Ok(self.inner.session().background()))
+        guard("background", || Ok(self.inner.background()))
     }
 
     /// Captures CUDA tensors on device `ordinal` from now on: compiles the capture kernel (NVRTC) and
@@ -219,8 +219,7 @@ impl CaptureSession {
         fp8: bool,
     ) -> PyResult<String> {
         guard("enable_device", || {
-            let cfg = self.inner.session().config().clone();
-            let (slots, width, dtype) = (cfg.layers.num_slots(), cfg.hidden_size, cfg.out_dtype);
+            let (slots, width, dtype) = self.inner.geometry();
             let halves = if overlap == 0 { 1 } else { 2 };
             let dev = py.detach(|| CudaDevice::new(ordinal, slots, width, dtype, capacity_rows, halves, host_ring, fp8))?;
             let arch = dev.arch().to_string();
@@ -231,37 +230,37 @@ impl CaptureSession {
 
     #[getter]
     fn device_bytes(&self) -> PyResult<usize> {
-        guard("device_bytes", || Ok(self.inner.session().device_bytes()))
+        guard("device_bytes", || Ok(self.inner.device_bytes()))
     }
 
     /// Prompt rows per request in the planned step, in the runner's order: `[(request_id, rows)]`.
     fn step_rows(&self) -> PyResult<Vec<(String, usize)>> {
-        guard("step_rows", || Ok(self.inner.session().step_rows()))
+        guard("step_rows", || Ok(self.inner.step_rows()))
     }
 
     /// Pipeline parallelism: the slots this rank neither captures nor receives.
     fn set_absent_slots(&mut self, slots: Vec<usize>) -> PyResult<()> {
-        guard("set_absent_slots", || Ok(self.inner.session_mut().set_absent_slots(&slots)?))
+        guard("set_absent_slots", || Ok(self.inner.set_absent_slots(&slots)?))
     }
 
     /// This step's rows of `slots` as one message for the assembling pipeline stage (a bytearray: torch
     /// can send it without another copy).
     fn export_slots<'py>(&self, py: Python<'py>, slots: Vec<usize>) -> PyResult<Bound<'py, PyByteArray>> {
-        guard("export_slots", || Ok(PyByteArray::new(py, &self.inner.session().export_slots(&slots)?)))
+        guard("export_slots", || Ok(PyByteArray::new(py, &self.inner.export_slots(&slots)?)))
     }
 
     /// Writes another stage's message (from `export_slots`) into this step; returns the slots filled.
     fn import_slots(&mut self, py: Python<'_>, message: &[u8], sender: &str) -> PyResult<Vec<usize>> {
         guard("import_slots", || {
-            let s = self.inner.session_mut();
-            Ok(py.detach(|| s.import_slots(message, sender))?)
+            let inner = &mut self.inner;
+            Ok(py.detach(|| inner.import_slots(message, sender))?)
         })
     }
 
     /// Opt-in: skip samples with NaN/Inf values (reported by `take_skipped`) instead of failing.
     fn set_skip_nonfinite(&mut self, skip: bool) -> PyResult<()> {
         guard("set_skip_nonfinite", || {
-            self.inner.session_mut().set_skip_nonfinite(skip);
+            self.inner.set_skip_nonfinite(skip);
             Ok(())
         })
     }
@@ -269,12 +268,12 @@ impl CaptureSession {
     /// Samples skipped for non-finite values since the last call: `(sample, request_id, why)`;
     /// `sample` is the sample index as a string, or the request id for requests without one.
     fn take_skipped(&mut self) -> PyResult<Vec<(String, String, String)>> {
-        guard("take_skipped", || Ok(self.inner.session_mut().take_skipped().into_iter().map(|(k, r, why)| (key_str(&k), r, why)).collect()))
+        guard("take_skipped", || Ok(self.inner.take_skipped().into_iter().map(|(k, r, why)| (key_str(&k), r, why)).collect()))
     }
 
     /// Drops the step in progress (its forward failed); a device capture armed for it is disarmed.
     fn abandon_step(&mut self) -> PyResult<()> {
-        guard("abandon_step", || Ok(self.inner.session_mut().abandon_step()?))
+        guard("abandon_step", || Ok(self.inner.abandon_step()?))
     }
 
     /// Completed samples kept in memory (sessions without an output directory), removed from the

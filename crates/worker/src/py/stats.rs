@@ -8,8 +8,7 @@ use crate::worker::WorkerSession;
 /// steps, rows, samples, aborted, skipped, live_requests, held_bytes; and the nanoseconds the worker's thread spent
 /// in each call of the step protocol (`ns_*`, summed over the run), waits included.
 pub fn stats<'py>(py: Python<'py>, w: &WorkerSession) -> PyResult<Bound<'py, PyDict>> {
-    let s = w.session();
-    let st = s.stats();
+    let (st, live_requests, held_bytes) = w.totals();
     let d = PyDict::new(py);
     d.set_item("steps", st.steps)?;
     d.set_item("rows", st.rows)?;
@@ -17,8 +16,8 @@ pub fn stats<'py>(py: Python<'py>, w: &WorkerSession) -> PyResult<Bound<'py, PyD
     d.set_item("aborted", st.aborted)?;
     d.set_item("skipped", st.skipped)?;
     d.set_item("refused", st.refused)?;
-    d.set_item("live_requests", s.tracker().live_requests())?;
-    d.set_item("held_bytes", s.held_bytes())?;
+    d.set_item("live_requests", live_requests)?;
+    d.set_item("held_bytes", held_bytes)?;
     let t = w.times;
     for (k, v) in [
         ("ns_begin_step", t.begin_step),

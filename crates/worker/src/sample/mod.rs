@@ -1,12 +1,14 @@
 //! What both sides of the core share, at its bottom: a sample ([`Sample`], named by a [`SampleKey`]) as capture
 //! assembles it and output stores it, a sample read back ([`LoadedSample`]), the recycled buffers its bytes live in
-//! ([`pool`]), and the check for states no layer produces ([`degenerate`]). It imports nothing of the core.
+//! ([`pool`]), the check for states no layer produces ([`degenerate`]), and the [`Handoff`] through which capture
+//! passes samples on to the output without knowing it. It imports nothing of the core but its error type.
 
 pub mod degenerate;
 pub mod pool;
 
 use std::collections::HashMap;
 
+use crate::error::CoreResult;
 use hscapture_kernels::DType;
 
 /// How a finished sample is named: by its index in the input (`hs_{i}`) or by vLLM's request id.
@@ -23,6 +25,15 @@ impl std::fmt::Display for SampleKey {
             SampleKey::Request(r) => write!(f, "request {r:?}"),
         }
     }
+}
+
+/// Where capture hands its finished samples on (the output's writer queue implements it): all that capture knows
+/// of writing.
+pub trait Handoff: Send + Sync {
+    /// Hands `sample` on if there is room now; gives it back when there is none.
+    fn try_submit(&self, sample: Sample) -> CoreResult<Option<Sample>>;
+    /// Hands `sample` on, waiting for room (backpressure); reports an earlier failure of the output.
+    fn submit(&self, sample: Sample) -> CoreResult<()>;
 }
 
 /// `hidden_states` `[rows, slots, width]` in `dtype` (row-major) and the prompt's `token_ids` — or, with `scales`,

@@ -15,22 +15,28 @@ fn cfg(assemble: bool) -> SessionConfig {
     }
 }
 
+fn files(root: &std::path::Path) -> Files {
+    Files { root: root.into(), format: "hscapture".into(), compress: None, durability: crate::output::atomic::Durability::Rename }
+}
+
+/// A capture directory at `root`, or samples kept in memory.
 fn out(root: Option<PathBuf>) -> OutputSettings {
-    OutputSettings {
-        root,
-        format: "hscapture".into(),
-        compress: None,
-        model: "m".into(),
-        threads: 2,
-        queue: 2,
-        durability: crate::output::atomic::Durability::Rename,
-        staging: false,
-        staging_backlog: 1 << 30,
-        staging_collect: crate::output::sinks::janitor::COLLECT_WITHIN,
-        max_growing_sample: u64::MAX,
+    let destination = match root {
+        Some(r) => Destination::Directory(files(&r)),
+        None => Destination::Memory,
+    };
+    OutputSettings { destination, model: "m".into(), threads: 2, queue: 2, max_growing_sample: u64::MAX }
+}
+
+/// Per-request files under `root`, at most `backlog` bytes of finished samples waiting for them at a release.
+fn staged(root: &std::path::Path, backlog: u64) -> OutputSettings {
+    let destination = Destination::Staging {
+        files: files(root),
+        backlog,
+        collect_within: crate::output::sinks::janitor::COLLECT_WITHIN,
         slow_disk: Default::default(),
-        store: None,
-    }
+    };
+    OutputSettings { destination, ..out(None) }
 }
 
 /// A step's input scheduling one new request's whole prompt.
@@ -104,8 +110,18 @@ fn settings_out_of_range_are_refused_before_anything_starts() {
     };
     assert!(bad(|o| o.threads = 0).contains("writer threads"));
     assert!(bad(|o| o.queue = 0).contains("writer queue"));
-    assert!(bad(|o| o.compress = Some(23)).contains("zstd takes 1..=22"));
-    assert!(bad(|o| o.format = "parquet".into()).contains("unknown format"));
+    let compress = |o: &mut OutputSettings| {
+        if let Destination::Directory(f) = &mut o.destination {
+            f.compress = Some(23);
+        }
+    };
+    let parquet = |o: &mut OutputSettings| {
+        if let Destination::Directory(f) = &mut o.destination {
+            f.format = "parquet".into();
+        }
+    };
+    assert!(bad(compress).contains("zstd takes 1..=22"));
+    assert!(bad(parquet).contains("unknown format"));
     assert!(!d.path().join(crate::output::ledger::journal::FILE).exists(), "no journal for a refused session");
 }
 
@@ -113,8 +129,7 @@ fn settings_out_of_range_are_refused_before_anything_starts() {
 fn a_staged_file_s_lock_is_taken_when_its_step_ends_and_released_once_it_is_in_place() {
     use std::fs::{File, TryLockError};
     let d = tempfile::tempdir().unwrap();
-    let mut o = out(Some(d.path().into()));
-    o.staging = true;
+    let o = staged(d.path(), 1 << 30);
     let mut w = WorkerSession::new(cfg(true), o).unwrap();
     w.set_background(2).unwrap();
     let hold = w.session_mut().hold_assembler_for_test();
@@ -145,9 +160,8 @@ impl crate::output::sinks::store::ObjectStore for MemoryStore {
 fn samples_go_to_an_object_store_as_packed_objects() {
     use crate::output::sinks::packed::PackedLayout;
     let store = std::sync::Arc::new(MemoryStore::default());
-    let mut o = out(None);
-    (o.format, o.store) = (STORE_FORMAT.into(), Some(StoreHandle(store.clone())));
-    let mut w = WorkerSession::new(cfg(true), o).unwrap();
+    let o = OutputSettings { destination: Destination::Store(store.clone()), ..out(None) };
+    let mut w = WorkerSession::new(cfg(true), o.clone()).unwrap();
     step(&mut w, 0);
     step(&mut w, 1);
     assert!(w.drain().unwrap().is_empty(), "no ledger: the objects are the client's");
@@ -157,21 +171,15 @@ fn samples_go_to_an_object_store_as_packed_objects() {
     assert_eq!(put, [("r0".to_string(), total), ("r1".to_string(), total)]);
     w.finish().unwrap();
 
-    let mut o = out(Some(std::env::temp_dir()));
-    (o.format, o.store) = (STORE_FORMAT.into(), Some(StoreHandle(store)));
-    let e = WorkerSession::new(cfg(true), o).err().unwrap();
-    assert!(e.message.contains("expected no output directory"), "{e}");
-    let mut o = out(None);
-    o.format = STORE_FORMAT.into();
-    assert!(WorkerSession::new(cfg(true), o.clone()).err().unwrap().message.contains("expected a store client"));
-    assert!(WorkerSession::new(cfg(false), o).is_ok(), "a verifying rank stores nothing");
+    let mut v = WorkerSession::new(cfg(false), o).unwrap(); // a verifying rank stores nothing
+    step(&mut v, 2);
+    assert_eq!(store.0.lock().unwrap().len(), 2, "a verifying rank put nothing");
 }
 
 #[test]
 fn an_aborted_request_with_outputs_gives_up_its_lock_and_its_lock_file() {
     let d = tempfile::tempdir().unwrap();
-    let mut o = out(Some(d.path().into()));
-    o.staging = true;
+    let o = staged(d.path(), 1 << 30);
     let mut w = WorkerSession::new(cfg(true), o).unwrap();
     let first = StepInput {
         new_requests: vec![NewRequest {
@@ -239,10 +247,10 @@ fn a_release_waits_while_the_staged_backlog_is_over_its_bound() {
     // `staging_backlog` bytes of complete samples wait for their files, so a response's file follows it within the
     // time that backlog takes to write (speculators' client gives up on a lock after 10 s).
     let d = tempfile::tempdir().unwrap();
-    let mut o = out(Some(d.path().into()));
-    o.staging = true;
-    o.staging_backlog = 0; // no sample may wait: each release waits for every released file
-    o.slow_disk.delay = std::time::Duration::from_millis(150);
+    let mut o = staged(d.path(), 0); // no sample may wait: each release waits for every released file
+    if let Destination::Staging { slow_disk, .. } = &mut o.destination {
+        slow_disk.delay = std::time::Duration::from_millis(150);
+    }
     let mut w = WorkerSession::new(cfg(true), o).unwrap();
     w.set_background(2).unwrap();
     let t = std::time::Instant::now();
@@ -258,8 +266,7 @@ fn a_release_does_not_wait_for_the_samples_of_the_step_still_in_flight() {
     // before then; waiting for them at its own release would wait forever.
     use crate::capture::session::tests::HostDevice;
     let d = tempfile::tempdir().unwrap();
-    let mut o = out(Some(d.path().into()));
-    (o.staging, o.staging_backlog, o.format) = (true, 0, "hscapture".into());
+    let o = staged(d.path(), 0);
     let cfg4 = SessionConfig { hidden_size: 4, ..cfg(true) };
     let mut w = WorkerSession::new(cfg4, o).unwrap();
     w.set_background(2).unwrap();
@@ -336,8 +343,7 @@ fn a_staged_request_with_degenerate_states_gives_up_its_lock_at_once() {
     // Background assembly checks the states after the step's release, when the response names the file already: its
     // lock is given up (and its lock file removed) right there, so the waiting client finds no file.
     let d = tempfile::tempdir().unwrap();
-    let mut o = out(Some(d.path().into()));
-    (o.staging, o.format) = (true, "hscapture".into());
+    let o = staged(d.path(), 1 << 30);
     let mut w = WorkerSession::new(cfg(true), o).unwrap();
     w.set_background(2).unwrap();
     w.begin_step(whole_prompt("bad", vec![1, 2, 3], None)).unwrap();
@@ -362,8 +368,7 @@ fn a_failed_write_gives_up_every_lock_the_server_holds() {
     // Before, only a completed write or an abort released a lock: after a writer failure, every other request's lock
     // stayed held for as long as the process lived, and its client waited on it. Now the first failure gives them up.
     let d = tempfile::tempdir().unwrap();
-    let mut o = out(Some(d.path().into()));
-    (o.staging, o.format) = (true, "hscapture".into());
+    let o = staged(d.path(), 1 << 30);
     let mut w = WorkerSession::new(cfg(true), o).unwrap();
     std::fs::create_dir(d.path().join("r0.safetensors")).unwrap(); // r0's file cannot be renamed into place
                                                                    // r9 captures its generated tokens: its lock is held from its first step, its file comes when it finishes.
@@ -396,8 +401,7 @@ fn a_server_sweeps_what_no_client_collected_and_says_so() {
     std::fs::write(&old, b"x").unwrap();
     let t = std::time::SystemTime::now() - crate::output::sinks::janitor::COLLECT_WITHIN - std::time::Duration::from_secs(1);
     std::fs::File::options().write(true).open(&old).unwrap().set_modified(t).unwrap();
-    let mut o = out(Some(d.path().into()));
-    (o.staging, o.format) = (true, "hscapture".into());
+    let o = staged(d.path(), 1 << 30);
     let mut w = WorkerSession::new(cfg(true), o).unwrap();
     step(&mut w, 0);
     assert!(!old.exists(), "an uncollected file older than the collection time is removed");
@@ -412,8 +416,7 @@ fn a_server_sweeps_what_no_client_collected_and_says_so() {
 #[test]
 fn a_growing_sample_that_could_outgrow_its_bound_is_refused_at_admission_alone() {
     let d = tempfile::tempdir().unwrap();
-    let mut o = out(Some(d.path().into()));
-    o.staging = true;
+    let mut o = staged(d.path(), 1 << 30);
     o.max_growing_sample = 10 * 8; // a row: 1 slot × 2 values × 4 bytes; at most 10 rows
     let mut w = WorkerSession::new(cfg(true), o).unwrap();
     let new = |id: &str, max_tokens| NewRequest {

@@ -19,7 +19,6 @@ use crate::capture::scatter::Refusal;
 use crate::capture::session::{Aborted, Session, SessionConfig, StepOutcome};
 use crate::capture::tensor::TensorDesc;
 use crate::failure::Failure;
-use crate::output::formats::by_name;
 use crate::output::ledger::record::{Identity, SampleRecord};
 use crate::output::sinks::janitor;
 use crate::output::sinks::sink::{FileSink, Layout};
@@ -29,10 +28,11 @@ use crate::output::sinks::writer::{Writer, WriterConfig};
 use crate::sample::Sample;
 use crate::{ensure, error::CoreResult};
 
+mod session_view;
 mod settings;
 mod times;
 
-pub use settings::{defaults, identity, GrowingBound, OutputSettings, StoreHandle, STORE_FORMAT};
+pub use settings::{defaults, identity, Destination, Files, GrowingBound, OutputSettings, STORE_FORMAT};
 use times::elapsed_ns;
 pub use times::CallTimes;
 
@@ -63,6 +63,10 @@ pub struct WorkerSession {
     format: &'static str,
     /// What this capture is (its journal, manifest and files record it).
     identity: Identity,
+    /// Whether its files store quantized states (the fp8 format): what a quantizing device path may feed.
+    quantized_files: bool,
+    /// Whether aborted requests are kept for a driver to take (a server's are nobody's).
+    reports_aborts: bool,
     aborted: Vec<Aborted>,
     /// A staging directory's locks (per-request files): those of aborted requests are given up.
     locks: Option<Arc<Locks>>,
@@ -94,26 +98,10 @@ impl WorkerSession {
     pub fn new(cfg: SessionConfig, out: OutputSettings) -> CoreResult<WorkerSession> {
         ensure!(out.threads > 0, Config, "writer threads: expected at least 1, found 0");
         ensure!(out.queue > 0, Config, "writer queue: expected at least 1 sample, found 0");
-        let into_store = out.format == STORE_FORMAT;
-        ensure!(
-            into_store == out.store.is_some() || !cfg.assemble,
-            Config,
-            "the {STORE_FORMAT} format puts samples into an object store: expected a store client with it and only with \
-             it, found format {:?} {} one",
-            out.format,
-            if out.store.is_some() { "with" } else { "without" }
-        );
-        ensure!(
-            !into_store || (out.root.is_none() && out.compress.is_none()),
-            Config,
-            "an object store takes the samples as packed objects: expected no output directory or compression with the \
-             {STORE_FORMAT} format, found{}{}",
-            if out.root.is_some() { " an output directory" } else { "" },
-            if out.compress.is_some() { " compression" } else { "" }
-        );
-        // The identity's format: a file format's, or the plain one (the packed object holds the states as captured).
-        let format = by_name(if into_store { defaults::FORMAT } else { &out.format }, out.compress)?;
-        let format_name = if into_store { STORE_FORMAT } else { format.name() };
+        let dest = &out.destination;
+        let format = dest.format()?;
+        let format_name = dest.name(format.as_ref());
+        let quantized_files = format.quantized() && matches!(dest, Destination::Directory(_) | Destination::Staging { .. });
         let failure = Failure::new();
         let id = identity(&cfg, &out, format.as_ref());
         let id_kept = id.clone();
@@ -121,39 +109,36 @@ impl WorkerSession {
         let assemble = cfg.assemble;
         let mut session = Session::with_failure(cfg, failure.clone())?;
         let mut staged = None;
-        // A capture directory lists its files; per-request files and objects belong to the client (no ledger to
-        // grow for as long as a server runs).
-        let keep_records = !into_store && !out.staging;
-        let wcfg = WriterConfig { threads: out.threads, queue: out.queue, pool: Some(session.pool()), keep_records };
-        let output = match (assemble, &out.root, &out.store) {
-            (false, _, _) => Output::Nothing,
-            (true, None, Some(store)) => Output::Files(Writer::start(Arc::new(StoreSink::new(Arc::clone(&store.0))), wcfg, failure)?),
-            (true, None, None) => Output::Memory(Vec::new()),
-            (true, Some(root), _) => {
-                let layout = if out.staging {
-                    std::fs::create_dir_all(root)
-                        .map_err(|e| crate::core_err!(Output, "cannot create the staging directory {}: {e}", root.display()))?;
-                    crate::output::sinks::staging::check_flock(root)?;
-                    let locks = Arc::new(Locks::new(root, out.slow_disk.clone()));
-                    let held = Arc::clone(&locks);
-                    session.set_completion_hook(Arc::new(move |req: &str, rows: Option<usize>| held.hold(req, rows)));
-                    // A refused sample (degenerate states) never gets a file: its client finds none, and does not wait.
-                    let refused = Arc::clone(&locks);
-                    session.set_refusal_hook(Arc::new(move |r: &Refusal| refused.abandon(&r.req_id)));
-                    // A failed capture writes none of the files its locks promise: every lock goes at once, on the
-                    // thread that failed (the writer's, the assembler's or the worker's), idle server or not.
-                    let failed = Arc::clone(&locks);
-                    session.failure().on_failure(Box::new(move || failed.abandon_all()));
-                    staged = Some(Arc::clone(&locks));
-                    Layout::Staging(locks)
-                } else {
-                    Layout::Capture
-                };
-                let sink = Arc::new(FileSink::with_layout(root, format, id, out.durability, layout)?);
-                Output::Files(Writer::start(sink, wcfg, failure)?)
+        let wcfg = WriterConfig { threads: out.threads, queue: out.queue, pool: Some(session.pool()), keep_records: dest.keeps_records() };
+        let output = match dest {
+            _ if !assemble => Output::Nothing,
+            Destination::Memory => Output::Memory(Vec::new()),
+            Destination::Store(client) => Output::Files(Writer::start(Arc::new(StoreSink::new(Arc::clone(client))), wcfg, failure)?),
+            Destination::Directory(files) => {
+                let sink = FileSink::with_layout(&files.root, format, id, files.durability, Layout::Capture)?;
+                Output::Files(Writer::start(Arc::new(sink), wcfg, failure)?)
+            }
+            Destination::Staging { files, slow_disk, .. } => {
+                let root = &files.root;
+                std::fs::create_dir_all(root)
+                    .map_err(|e| crate::core_err!(Output, "cannot create the staging directory {}: {e}", root.display()).caused_by(&e))?;
+                crate::output::sinks::staging::check_flock(root)?;
+                let locks = Arc::new(Locks::new(root, slow_disk.clone()));
+                let held = Arc::clone(&locks);
+                session.set_completion_hook(Arc::new(move |req: &str, rows: Option<usize>| held.hold(req, rows)));
+                // A refused sample (degenerate states) never gets a file: its client finds none, and does not wait.
+                let refused = Arc::clone(&locks);
+                session.set_refusal_hook(Arc::new(move |r: &Refusal| refused.abandon(&r.req_id)));
+                // A failed capture writes none of the files its locks promise: every lock goes at once, on the
+                // thread that failed (the writer's, the assembler's or the worker's), idle server or not.
+                let failed = Arc::clone(&locks);
+                session.failure().on_failure(Box::new(move || failed.abandon_all()));
+                staged = Some(Arc::clone(&locks));
+                let sink = FileSink::with_layout(root, format, id, files.durability, Layout::Staging(locks))?;
+                Output::Files(Writer::start(Arc::new(sink), wcfg, failure)?)
             }
         };
-        let backlog_rows = usize::try_from(out.staging_backlog / row_bytes.max(1) as u64).unwrap_or(usize::MAX);
+        let backlog_rows = usize::try_from(dest.backlog() / row_bytes.max(1) as u64).unwrap_or(usize::MAX);
         let growing = GrowingBound::new(out.max_growing_sample, row_bytes);
         Ok(WorkerSession {
             session,
@@ -169,7 +154,9 @@ impl WorkerSession {
             accounted: None,
             times: CallTimes::default(),
             started: std::time::SystemTime::now(),
-            collect_within: out.staging_collect,
+            collect_within: dest.collect_within(),
+            reports_aborts: dest.reports_aborts(),
+            quantized_files,
             swept: None,
             notes: Vec::new(),
         })
@@ -232,11 +219,14 @@ impl WorkerSession {
         std::mem::take(&mut self.notes)
     }
 
-    pub fn session(&self) -> &Session {
+    /// Tests only: the session itself (the binding goes through `session_view.rs`).
+    #[cfg(test)]
+    pub(crate) fn session(&self) -> &Session {
         &self.session
     }
 
-    pub fn session_mut(&mut self) -> &mut Session {
+    #[cfg(test)]
+    pub(crate) fn session_mut(&mut self) -> &mut Session {
         &mut self.session
     }
 
@@ -246,7 +236,7 @@ impl WorkerSession {
         self.session.set_background(ring)?;
         self.session.set_gated()?;
         let sink = match &self.output {
-            Output::Files(w) => w.submitter(),
+            Output::Files(w) => w.submitter().map(|s| Box::new(s) as Box<dyn crate::sample::Handoff>),
             _ => None,
         };
         self.session.set_sink(sink)
@@ -255,7 +245,7 @@ impl WorkerSession {
     /// Captures device tensors through `device` from now on (see [`Session::set_device`]).
     pub fn set_device(&mut self, device: Box<dyn DeviceBackend>, in_flight: usize) -> CoreResult<()> {
         ensure!(
-            !device.quantizes() || (self.format == "fp8" && matches!(self.output, Output::Files(_))),
+            !device.quantizes() || (self.quantized_files && matches!(self.output, Output::Files(_))),
             Config,
             "the device quantizes to fp8, but this session stores the {} format{}: quantize on the device only for \
              the fp8 format's files",
@@ -278,7 +268,7 @@ impl WorkerSession {
                 out.aborted.iter().for_each(|a| locks.abandon(&a.req_id));
             }
             // A server's aborted requests are nobody's to report (and would pile up for as long as it runs).
-            if self.locks.is_none() && self.format != STORE_FORMAT {
+            if self.reports_aborts {
                 self.aborted.append(&mut out.aborted);
                 if self.aborted.len() > UNTAKEN_ABORTS {
                     // Nobody takes them (a long-lived server with a capture directory): the oldest go.

@@ -1,76 +1,30 @@
 //! Where and how a worker's samples are stored, and the identity a capture so stored goes by.
 
-use std::path::PathBuf;
-use std::sync::Arc;
-
 use crate::capture::session::SessionConfig;
-use crate::output::atomic::Durability;
 use crate::output::formats::Format;
 use crate::output::ledger::record::Identity;
-use crate::output::sinks::janitor;
-use crate::output::sinks::staging::SlowDisk;
-use crate::output::sinks::store::ObjectStore;
+
+pub use crate::output::destination::{Destination, Files, STORE_FORMAT};
 
 /// Where and how a worker's samples are stored.
 #[derive(Clone, Debug)]
 pub struct OutputSettings {
-    /// The output root; None keeps completed samples in memory (`take_samples`).
-    pub root: Option<PathBuf>,
-    /// The sample format (`format.rs`).
-    pub format: String,
-    /// zstd level of the `hscapture` format's compression.
-    pub compress: Option<i32>,
+    /// Where the samples go, with that destination's own settings.
+    pub destination: Destination,
     /// The model as the capture's identity names it.
     pub model: String,
+    /// Writer threads, and the samples that may wait for them before the capture blocks.
     pub threads: usize,
     pub queue: usize,
-    /// How far each file is pushed to disk (`atomic.rs`): fsync'd, written back after its hand-over, or renamed only.
-    pub durability: Durability,
-    /// Per-request files for a collecting client (`staging.rs`) instead of a capture directory.
-    pub staging: bool,
-    /// Per-request files: at most this many bytes of complete samples wait for their files when a step's samples
-    /// are released (the worker waits for the writer beyond it), so that a response's file follows it within the
-    /// time this backlog takes to write — clients give up waiting for a lock (speculators after 10 s).
-    pub staging_backlog: u64,
-    /// Per-request files: how long a client has to collect its file before a sweep removes it.
-    pub staging_collect: std::time::Duration,
     /// A sample that grows with its generated tokens (`include_output_tokens`) may take at most this many bytes: a
     /// request whose prompt and `max_tokens` could exceed it is refused at admission (nothing captured, no file).
     pub max_growing_sample: u64,
-    /// Tests only: per-request files are written late (`staging.rs`).
-    pub slow_disk: SlowDisk,
-    /// Samples go to this object store as packed objects (`output/sinks/store.rs`) instead of files.
-    pub store: Option<StoreHandle>,
 }
 
 impl OutputSettings {
     /// Completed samples kept in memory (`take_samples`): nothing is written.
     pub fn in_memory() -> OutputSettings {
-        OutputSettings {
-            root: None,
-            format: defaults::FORMAT.into(),
-            compress: None,
-            model: String::new(),
-            threads: 1,
-            queue: 1,
-            durability: Durability::Rename,
-            staging: false,
-            staging_backlog: 0,
-            staging_collect: janitor::COLLECT_WITHIN,
-            max_growing_sample: u64::MAX,
-            slow_disk: SlowDisk::default(),
-            store: None,
-        }
-    }
-}
-
-/// An object store's client, as settings carry it.
-#[derive(Clone)]
-pub struct StoreHandle(pub Arc<dyn ObjectStore>);
-
-impl std::fmt::Debug for StoreHandle {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("StoreHandle")
+        OutputSettings { destination: Destination::Memory, model: String::new(), threads: 1, queue: 1, max_growing_sample: u64::MAX }
     }
 }
 
@@ -87,9 +41,6 @@ pub mod defaults {
     /// MiB a sample that grows with its generated tokens may take.
     pub const MAX_GROWING_SAMPLE_MIB: u64 = 4096;
 }
-
-/// The name a capture into an object store goes by (the packed layout is not a file format).
-pub const STORE_FORMAT: &str = "mooncake";
 
 /// The identity of a capture of `cfg` stored in `format` as `out` says.
 pub fn identity(cfg: &SessionConfig, out: &OutputSettings, format: &dyn Format) -> Identity {

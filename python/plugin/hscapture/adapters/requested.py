@@ -1,13 +1,14 @@
 """What a vLLM configuration asks of hscapture: its KV connector's settings (``kv_transfer_config``, read without
-importing vLLM's connector classes) and the capture they and ``additional_config["hscapture"]`` make together.
-Read by the connector, the early check in the caller's process and the workers."""
+importing vLLM's connector classes), the capture they and ``additional_config["hscapture"]`` make together, and
+where its samples go (``destination``: the one description the core's ``Output`` takes). Read by the connector,
+the early check in the caller's process and the workers."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from .. import _native
+from .. import _native, envs
 from ..config import from_sources
 from ..errors import ConfigError
 from ..output import formats
@@ -72,3 +73,45 @@ def settings(vllm_config: Any) -> dict | None:
 def capture_config(vllm_config: Any):
     """The capture ``vllm_config`` asks for (``additional_config``, ``HSCAPTURE_*``, the KV connector), or None."""
     return from_sources(getattr(vllm_config, "additional_config", None), settings(vllm_config))
+
+
+def destination(cfg: Any) -> dict[str, Any]:
+    """Where ``cfg``'s samples go, as the one description the core takes (``_native.Output``; each kind's keys are
+    the core's): the KV connector's objects in a Mooncake store (``store``: its client is added where it is opened)
+    or per-request files (``staging``), a capture directory (``directory``), or memory (speculators' RPC drivers).
+    A new kind of output is one branch here and one variant in ``output/destination.rs``."""
+    if cfg.mooncake is not None:
+        return {"kind": "store"}
+    if cfg.out is None:
+        return {"kind": "memory"}
+    files = {"root": cfg.out, "format": cfg.format, "compress": cfg.compress or None, "durable": cfg.durable}
+    if cfg.staging:
+        return {"kind": "staging", **files, "backlog_mib": staging_backlog_mib(), "collect_s": staging_collect_s()}
+    return {"kind": "directory", **files}
+
+
+def staging_backlog_mib() -> int:
+    mib = envs.get("HSCAPTURE_STAGING_BACKLOG_MIB")
+    if mib < 0:
+        raise ConfigError(f"HSCAPTURE_STAGING_BACKLOG_MIB={mib} is not valid: expected 0 or more MiB")
+    return mib
+
+
+def max_growing_sample_mib() -> int:
+    mib = envs.get("HSCAPTURE_MAX_GROWING_SAMPLE_MIB")
+    if mib < 1:
+        raise ConfigError(
+            f"HSCAPTURE_MAX_GROWING_SAMPLE_MIB={mib} is not valid: expected at least 1 (MiB one request's sample with "
+            "its generated tokens may take)"
+        )
+    return mib
+
+
+def staging_collect_s() -> int:
+    secs = envs.get("HSCAPTURE_STAGING_COLLECT_S")
+    if secs < 10:
+        raise ConfigError(
+            f"HSCAPTURE_STAGING_COLLECT_S={secs} is not valid: expected at least 10 seconds (speculators' client waits "
+            "up to 10 s for a file's lock before it reads the file)"
+        )
+    return secs

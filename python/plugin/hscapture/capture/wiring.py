@@ -14,6 +14,7 @@ import torch
 from .. import _native, envs
 from ..adapters import vllm_compat
 from ..adapters.parallel import refuse_stages_with_tp
+from ..adapters.requested import destination, max_growing_sample_mib
 from ..config import CaptureConfig
 from ..errors import ConfigError, HscaptureError
 from . import hooks
@@ -27,33 +28,6 @@ def model_facts(vllm_config: Any) -> tuple[int, int, str, str]:
     mc = vllm_config.model_config
     text = getattr(mc, "hf_text_config", None) or mc.hf_config
     return int(text.num_hidden_layers), int(mc.get_hidden_size()), str(mc.dtype).removeprefix("torch."), str(mc.model)
-
-
-def _staging_backlog_mib() -> int:
-    mib = envs.get("HSCAPTURE_STAGING_BACKLOG_MIB")
-    if mib < 0:
-        raise ConfigError(f"HSCAPTURE_STAGING_BACKLOG_MIB={mib} is not valid: expected 0 or more MiB")
-    return mib
-
-
-def max_growing_sample_mib() -> int:
-    mib = envs.get("HSCAPTURE_MAX_GROWING_SAMPLE_MIB")
-    if mib < 1:
-        raise ConfigError(
-            f"HSCAPTURE_MAX_GROWING_SAMPLE_MIB={mib} is not valid: expected at least 1 (MiB one request's sample with "
-            "its generated tokens may take)"
-        )
-    return mib
-
-
-def _staging_collect_s() -> int:
-    secs = envs.get("HSCAPTURE_STAGING_COLLECT_S")
-    if secs < 10:
-        raise ConfigError(
-            f"HSCAPTURE_STAGING_COLLECT_S={secs} is not valid: expected at least 10 seconds (speculators' client waits "
-            "up to 10 s for a file's lock before it reads the file)"
-        )
-    return secs
 
 
 def assembly_ring() -> int:
@@ -82,24 +56,18 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
     refuse_stages_with_tp(pp_size, tp.size)  # also checked before the engine starts (early_check)
     writer = tp.rank == 0 and pp_rank == pp_size - 1  # the last stage assembles (pipeline.py)
     out_dtype = model_dtype if cfg.dtype == "auto" else cfg.dtype
+    dest = destination(cfg) if writer or cfg.mooncake is None else {"kind": "memory"}
     store = None
-    if cfg.mooncake is not None and writer:
+    if dest["kind"] == "store":
         from ..output.mooncake import Store
 
-        store = Store(cfg.mooncake).open()
+        store = dest["client"] = Store(cfg.mooncake).open()
     output = _native.Output(
-        cfg.out if writer else None,
-        format="mooncake" if cfg.mooncake is not None else cfg.format,
+        dest,  # opened on the writing rank only (the others verify): the core decides
         writer_threads=cfg.writer_threads,
         writer_queue=cfg.writer_queue,
-        durable=cfg.durable,
-        compress=cfg.compress or None,
         model=cfg.model_name or model,
-        staging=cfg.staging,
-        staging_backlog_mib=_staging_backlog_mib(),
-        staging_collect_s=_staging_collect_s(),
         max_growing_sample_mib=max_growing_sample_mib(),
-        store=store,
     )
     if cfg.staging and (envs.get("HSCAPTURE_TEST_STAGING_DELAY_MS") > 0 or envs.get("HSCAPTURE_TEST_STAGING_HOLD")):
         output = output.on_slow_disk(

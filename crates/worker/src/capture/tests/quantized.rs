@@ -91,7 +91,7 @@ fn a_quantizing_device_keeps_the_writer_the_assembler_hands_samples_to() {
     let seen = Arc::new(Seen::default());
     let wcfg = WriterConfig { threads: 1, queue: 4, pool: Some(s.pool()), keep_records: false };
     let mut writer = Writer::start(seen.clone(), wcfg, s.failure().clone()).unwrap();
-    s.set_sink(writer.submitter()).unwrap();
+    s.set_sink(writer.submitter().map(|w| Box::new(w) as Box<dyn crate::sample::Handoff>)).unwrap();
     s.set_device(Box::new(HostDevice::quantizing(2, 64, 3)), 1).unwrap();
     let total = 3;
     s.begin_step(input(vec![req("a", 3, 0)], vec![], &[("a", 3)])).unwrap();

@@ -24,7 +24,7 @@ pub fn encode(data: &[u8], elem: usize, level: i32) -> CoreResult<Vec<u8>> {
             *dst = e[b];
         }
     }
-    zstd::bulk::compress(&planes, level).map_err(|e| core_err!(Output, "zstd compression failed: {e}"))
+    zstd::bulk::compress(&planes, level).map_err(|e| core_err!(Output, "zstd compression failed: {e}").caused_by(&e))
 }
 
 /// Inverts [`encode`]: `len` is the decoded size in bytes. Memory grows with what actually decodes

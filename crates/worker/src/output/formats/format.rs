@@ -43,6 +43,10 @@ pub trait Format: Send + Sync {
     fn stored_row_bytes(&self, slots: usize, width: usize, dtype: DType) -> usize {
         slots.saturating_mul(width).saturating_mul(self.stored_value_bytes(dtype))
     }
+    /// Whether it stores quantized states (codes and scales): what a device path that quantizes may feed.
+    fn quantized(&self) -> bool {
+        false
+    }
     /// Whether a KV-connector server can hand samples out in this format, one `<request>.safetensors` each.
     fn per_request_files(&self) -> bool {
         self.folder() == sample_file::FOLDER

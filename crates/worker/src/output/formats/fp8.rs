@@ -87,6 +87,10 @@ impl Format for Fp8 {
         1
     }
 
+    fn quantized(&self) -> bool {
+        true
+    }
+
     fn stored_row_bytes(&self, slots: usize, width: usize, _: DType) -> usize {
         slots.saturating_mul(width).saturating_add(std::mem::size_of::<f32>()) // a byte per value and the row's scale
     }

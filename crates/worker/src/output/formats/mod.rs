@@ -88,6 +88,6 @@ pub fn decode_file(path: &Path, bytes: &[u8]) -> CoreResult<LoadedSample> {
 
 /// Reads and decodes a sample file of any format.
 pub fn read_sample_file(path: &Path) -> CoreResult<LoadedSample> {
-    let bytes = std::fs::read(path).map_err(|e| core_err!(Output, "cannot read {}: {e}", path.display()))?;
+    let bytes = std::fs::read(path).map_err(|e| core_err!(Output, "cannot read {}: {e}", path.display()).caused_by(&e))?;
     decode_file(path, &bytes)
 }

@@ -38,7 +38,7 @@ fn from_st(d: Dtype) -> Option<DType> {
 
 /// The metadata every file carries.
 pub fn identity_metadata(identity: &Identity) -> CoreResult<HashMap<String, String>> {
-    let json = serde_json::to_string(identity).map_err(|e| core_err!(Output, "cannot encode the capture's identity: {e}"))?;
+    let json = serde_json::to_string(identity).map_err(|e| core_err!(Output, "cannot encode the capture's identity: {e}").caused_by(&e))?;
     Ok(HashMap::from([
         ("format".to_string(), FILE_FORMAT.to_string()),
         ("convention".to_string(), identity.convention.clone()),
@@ -70,7 +70,7 @@ pub fn header(tensors: &[Tensor<'_>], metadata: HashMap<String, String>) -> Core
         let sorted: std::collections::BTreeMap<String, String> = metadata.into_iter().collect();
         head.insert("__metadata__".into(), serde_json::json!(sorted));
     }
-    let mut buf = serde_json::to_vec(&head).map_err(|e| core_err!(Output, "cannot encode the safetensors header: {e}"))?;
+    let mut buf = serde_json::to_vec(&head).map_err(|e| core_err!(Output, "cannot encode the safetensors header: {e}").caused_by(&e))?;
     buf.resize(buf.len().next_multiple_of(8), b' ');
     Ok([(buf.len() as u64).to_le_bytes().to_vec(), buf].concat())
 }
@@ -143,15 +143,16 @@ pub const STORED: &str = "float8_e4m3fn";
 pub fn read(bytes: &[u8], what: &str) -> CoreResult<LoadedSample> {
     let st = SafeTensors::deserialize(bytes).map_err(|e| {
         core_err!(Output, "{what} is not a valid safetensors file ({e}); it may be truncated: delete it and re-run to recapture")
+            .caused_by(&e)
     })?;
-    let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| core_err!(Output, "{what}: {e}"))?;
+    let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| core_err!(Output, "{what}: {e}").caused_by(&e))?;
     let metadata = meta.metadata().clone().unwrap_or_default();
-    let ti = st.tensor("token_ids").map_err(|e| core_err!(Output, "{what}: no `token_ids` tensor ({e})"))?;
+    let ti = st.tensor("token_ids").map_err(|e| core_err!(Output, "{what}: no `token_ids` tensor ({e})").caused_by(&e))?;
     let token_ids = token_ids(&ti, what)?;
     if metadata.contains_key(META_CODEC) {
         return decode_compressed(&st, metadata, token_ids, what);
     }
-    let hs = st.tensor("hidden_states").map_err(|e| core_err!(Output, "{what}: no `hidden_states` tensor ({e})"))?;
+    let hs = st.tensor("hidden_states").map_err(|e| core_err!(Output, "{what}: no `hidden_states` tensor ({e})").caused_by(&e))?;
     if hs.dtype() == Dtype::F8_E4M3 {
         return dequantize(&st, &hs, metadata, token_ids, what);
     }
@@ -190,7 +191,7 @@ fn decode_compressed(st: &SafeTensors<'_>, metadata: HashMap<String, String>, to
         .iter()
         .try_fold(dtype.size(), |a, &d| a.checked_mul(d))
         .ok_or_else(|| core_err!(Output, "{what}: compressed states of shape {shape:?} overflow; the file is damaged"))?;
-    let z = st.tensor(COMPRESSED).map_err(|e| core_err!(Output, "{what}: no `{COMPRESSED}` tensor ({e})"))?;
+    let z = st.tensor(COMPRESSED).map_err(|e| core_err!(Output, "{what}: no `{COMPRESSED}` tensor ({e})").caused_by(&e))?;
     let data = compress::decode(z.data(), dtype.size(), len, what)?;
     Ok(LoadedSample::new(token_ids, shape, dtype, data, metadata))
 }
@@ -209,6 +210,7 @@ fn dequantize(
     ensure!(shape[0] == rows, Output, "{what}: `hidden_states` {shape:?} and `token_ids` [{rows}] do not form [L, n_layers, H] and [L]");
     let sc = st.tensor(SCALES).map_err(|e| {
         core_err!(Output, "{what}: fp8 `hidden_states` without `{SCALES}` ({e}); the file cannot be dequantized: recapture it")
+            .caused_by(&e)
     })?;
     ensure!(
         sc.dtype() == Dtype::F32 && sc.shape() == [rows, 1, 1],

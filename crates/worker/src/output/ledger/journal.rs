@@ -41,7 +41,7 @@ pub struct Contents {
 }
 
 fn open_err(path: &Path, e: std::io::Error) -> crate::CoreError {
-    core_err!(Output, "cannot open {}: {e}; choose an output directory you can write", path.display())
+    core_err!(Output, "cannot open {}: {e}; choose an output directory you can write", path.display()).caused_by(&e)
 }
 
 impl Journal {
@@ -74,21 +74,22 @@ impl Journal {
         let empty = file.metadata().map_err(|e| open_err(&path, e))?.len() == 0;
         if empty {
             let line = serde_json::to_string(&Header { identity: identity.clone() })
-                .map_err(|e| core_err!(Output, "cannot encode the capture's identity: {e}"))?;
+                .map_err(|e| core_err!(Output, "cannot encode the capture's identity: {e}").caused_by(&e))?;
             file.write_all(format!("{line}\n").as_bytes())
                 .and_then(|_| if durable { file.sync_data() } else { Ok(()) })
-                .map_err(|e| core_err!(Output, "cannot write {}: {e} (disk full?)", path.display()))?;
+                .map_err(|e| core_err!(Output, "cannot write {}: {e} (disk full?)", path.display()).caused_by(&e))?;
         }
         Ok(Journal { path, durable, file: Mutex::new(file) })
     }
 
     /// Appends `rec` (its file is in place).
     pub fn append(&self, rec: &SampleRecord) -> CoreResult<()> {
-        let line = serde_json::to_string(rec).map_err(|e| core_err!(Output, "cannot encode the record of {}: {e}", rec.file))?;
+        let line =
+            serde_json::to_string(rec).map_err(|e| core_err!(Output, "cannot encode the record of {}: {e}", rec.file).caused_by(&e))?;
         let mut f = self.file.lock().unwrap_or_else(|p| p.into_inner());
         f.write_all(format!("{line}\n").as_bytes())
             .and_then(|_| if self.durable { f.sync_data() } else { Ok(()) })
-            .map_err(|e| core_err!(Output, "cannot append to {}: {e} (disk full?)", self.path.display()))
+            .map_err(|e| core_err!(Output, "cannot append to {}: {e} (disk full?)", self.path.display()).caused_by(&e))
     }
 }
 

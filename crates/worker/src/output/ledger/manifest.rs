@@ -60,8 +60,9 @@ pub struct Skipped {
 impl Manifest {
     /// Parses and checks a manifest: known format, sorted unique layer ids, unique sample files.
     pub fn from_json(text: &str) -> CoreResult<Manifest> {
-        let m: Manifest = serde_json::from_str(text)
-            .map_err(|e| core_err!(Output, "the manifest is not valid: {e}; it may be corrupted — re-run the extraction to rebuild it"))?;
+        let m: Manifest = serde_json::from_str(text).map_err(|e| {
+            core_err!(Output, "the manifest is not valid: {e}; it may be corrupted — re-run the extraction to rebuild it").caused_by(&e)
+        })?;
         m.check()?;
         Ok(m)
     }
@@ -113,12 +114,13 @@ impl Manifest {
     pub fn write(&mut self, path: &Path) -> CoreResult<()> {
         self.check()?;
         self.samples.sort_by(|a, b| (a.index.is_none(), a.index, &a.request_id).cmp(&(b.index.is_none(), b.index, &b.request_id)));
-        let text = serde_json::to_vec_pretty(self).map_err(|e| core_err!(Output, "cannot encode the manifest: {e}"))?;
+        let text = serde_json::to_vec_pretty(self).map_err(|e| core_err!(Output, "cannot encode the manifest: {e}").caused_by(&e))?;
         write_atomic(path, true, |w| w.write_all(&text)).map(|_| ())
     }
 
     pub fn read(path: &Path) -> CoreResult<Manifest> {
-        let text = std::fs::read_to_string(path).map_err(|e| core_err!(Output, "cannot read the manifest {}: {e}", path.display()))?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| core_err!(Output, "cannot read the manifest {}: {e}", path.display()).caused_by(&e))?;
         Manifest::from_json(&text)
     }
 }

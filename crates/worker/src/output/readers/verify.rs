@@ -120,7 +120,7 @@ pub fn verify_dir(root: &Path) -> CoreResult<VerifyReport> {
 /// Files in the format's folder that no record lists: leftover partial files and orphans.
 pub fn unlisted(root: &Path, format: &dyn Format, listed: &HashSet<&str>) -> CoreResult<Vec<String>> {
     let dir = root.join(format.folder());
-    let entries = std::fs::read_dir(&dir).map_err(|e| core_err!(Output, "cannot list {}: {e}", dir.display()))?;
+    let entries = std::fs::read_dir(&dir).map_err(|e| core_err!(Output, "cannot list {}: {e}", dir.display()).caused_by(&e))?;
     let prefix = if format.folder().is_empty() { String::new() } else { format!("{}/", format.folder()) };
     let mut out = Vec::new();
     let mut names: Vec<String> = entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();

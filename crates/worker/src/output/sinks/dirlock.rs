@@ -21,13 +21,9 @@ impl WriterLock {
     /// Takes the writer lock of `root`; refused (naming the holder) when another process holds it.
     pub fn acquire(root: &Path) -> CoreResult<WriterLock> {
         let path = root.join(FILE);
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .map_err(|e| core_err!(Output, "cannot open {}: {e}; choose an output directory you can write", path.display()))?;
+        let mut file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(|e| {
+            core_err!(Output, "cannot open {}: {e}; choose an output directory you can write", path.display()).caused_by(&e)
+        })?;
         match file.try_lock() {
             Ok(()) => {}
             Err(TryLockError::WouldBlock) => {
@@ -47,7 +43,7 @@ impl WriterLock {
         file.set_len(0)
             .and_then(|()| file.seek(SeekFrom::Start(0)))
             .and_then(|_| file.write_all(pid.as_bytes()))
-            .map_err(|e| core_err!(Output, "cannot write {}: {e}", path.display()))?;
+            .map_err(|e| core_err!(Output, "cannot write {}: {e}", path.display()).caused_by(&e))?;
         Ok(WriterLock { _file: file })
     }
 }

@@ -59,7 +59,7 @@ impl FileSink {
         let staging = matches!(layout, Layout::Staging(_));
         let dir = if staging { root.to_path_buf() } else { root.join(format.folder()) };
         std::fs::create_dir_all(&dir).map_err(|e| {
-            core_err!(Output, "cannot create the output directory {}: {e}; choose a directory you can write", dir.display())
+            core_err!(Output, "cannot create the output directory {}: {e}; choose a directory you can write", dir.display()).caused_by(&e)
         })?;
         let (lock, journal, locks) = match layout {
             Layout::Capture => {

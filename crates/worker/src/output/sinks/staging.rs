@@ -105,13 +105,9 @@ pub struct Locks {
 pub fn check_flock(root: &Path) -> CoreResult<()> {
     let probe = root.join(format!(".hscapture-flock-probe-{}", std::process::id()));
     let open = || {
-        OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&probe)
-            .map_err(|e| core_err!(Output, "cannot create {}: {e}; the staging directory must exist and be writable", probe.display()))
+        OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&probe).map_err(|e| {
+            core_err!(Output, "cannot create {}: {e}; the staging directory must exist and be writable", probe.display()).caused_by(&e)
+        })
     };
     let result = (|| {
         let (a, b) = (open()?, open()?);
@@ -171,14 +167,10 @@ impl Locks {
             return Ok(());
         }
         let path = lock_path(&self.root.join(file_name(req_id)));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .map_err(|e| core_err!(Output, "cannot create {}: {e}; the staging directory must be writable", path.display()))?;
-        file.lock().map_err(|e| core_err!(Output, "cannot lock {}: {e}", path.display()))?;
+        let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(|e| {
+            core_err!(Output, "cannot create {}: {e}; the staging directory must be writable", path.display()).caused_by(&e)
+        })?;
+        file.lock().map_err(|e| core_err!(Output, "cannot lock {}: {e}", path.display()).caused_by(&e))?;
         self.lock().insert(req_id.to_string(), Held { _file: file, rows });
         Ok(())
     }

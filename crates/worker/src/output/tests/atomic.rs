@@ -69,3 +69,18 @@ fn a_directory_that_cannot_be_flushed_is_an_error() {
     assert!(e.message.contains("cannot open the directory"), "{e}");
     assert!(is_partial(".hs_1.safetensors.partial-12-0") && !is_partial("hs_1.safetensors"));
 }
+
+#[test]
+fn an_io_error_keeps_its_kind_and_os_error_number_as_its_cause() {
+    use crate::error::Cause;
+    let d = tempfile::tempdir().unwrap();
+    let e = write_atomic(&d.path().join("missing/x.bin"), false, |w| w.write_all(b"x")).unwrap_err();
+    match &e.cause {
+        Some(Cause::Io { kind, errno, .. }) => {
+            assert_eq!(*kind, std::io::ErrorKind::NotFound);
+            assert_eq!(*errno, Some(2), "ENOENT, as the OS said it");
+        }
+        other => panic!("expected the I/O error as the cause, found {other:?}"),
+    }
+    assert!(std::error::Error::source(&e).is_some(), "the standard error chain reaches it too");
+}

@@ -129,13 +129,19 @@ def test_device_equals_cpu_twin_bit_for_bit(in_dtype, out_dtype, residual, ring,
         assert cpu_samples[k]["data"] == dev_samples[k]["data"], f"sample {k} differs"
 
 
+@pytest.mark.parametrize("assembly", ["inline", "background"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
-def test_a_step_in_flight_is_not_overwritten_by_the_next(overlap):
+def test_a_step_in_flight_is_not_overwritten_by_the_next(overlap, assembly):
     """Step N+1's kernel is enqueued while step N's copy of a 128 MiB arena (a few ms) still runs: the
-    capture stream waits for it on the device. Without that wait the copy would read step N+1's rows."""
+    capture stream waits for it on the device. Without that wait the copy would read step N+1's rows. With
+    background assembly the assembler thread holds a step's pinned buffer (shared) while the next steps are
+    copied: the ring must copy only into a buffer nobody reads."""
     rows, width, steps = 16384, 4096, 6
     s = _native.CaptureSession([1], "after", 8, width, "bfloat16", "bfloat16", assemble=True)
-    s.enable_device(torch.cuda.current_device(), rows, 2 + int(overlap), overlap)
+    ring = 2 + int(overlap)
+    if assembly == "background":
+        s.set_background(ring)
+    s.enable_device(torch.cuda.current_device(), rows, ring, overlap)
     states = [torch.randn(rows, width, device="cuda").to(torch.bfloat16) + k for k in range(steps)]
     stream = torch.cuda.current_stream().cuda_stream
     torch.cuda.synchronize()

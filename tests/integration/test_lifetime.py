@@ -90,15 +90,22 @@ def test_a_killed_engine_fails_the_driver_with_its_signal(tmp_path, tiny_model):
     assert took < 20, f"the driver took {took:.1f} s to notice"
 
 
-def test_a_killed_driver_takes_its_engine_along_and_writes_nothing_after(tmp_path, tiny_model):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_killed_driver_takes_its_engine_along_and_writes_nothing_after(tmp_path, tiny_model, tp):
+    """At TP=2 the engine runs a worker process per rank: they go too."""
     inp, ps = long_input(tmp_path)
     out = tmp_path / "out"
     model = tiny_model("llama")
     p = subprocess.Popen(
-        args(model, inp, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        args(model, inp, out, "--tp", str(tp)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     wait_for_files(out, 20, p)
-    assert len(session(p.pid)) >= 3, f"the driver, vLLM's engine and multiprocessing's helper: {session(p.pid)}"
+    started = session(p.pid)
+    # the driver, vLLM's engine and multiprocessing's helper; at TP=2 one worker process per rank besides
+    assert len(started) >= 3 + (2 if tp > 1 else 0), f"the driver's session: {started}"
     os.kill(p.pid, signal.SIGKILL)  # the driver alone, as a lost session or `kill -9` of it does
     p.wait()
     deadline = time.time() + 15
@@ -108,7 +115,7 @@ def test_a_killed_driver_takes_its_engine_along_and_writes_nothing_after(tmp_pat
     written = files(out)
     time.sleep(2)
     assert files(out) == written, "no file appears once the driver (and the directory's lock) is gone"
-    r = subprocess.run(args(model, inp, out, "--resume"), capture_output=True, text=True, timeout=900)
+    r = subprocess.run(args(model, inp, out, "--resume", "--tp", str(tp)), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert files(out) == sorted(f"hs_{i}.safetensors" for i in range(len(ps)))
 

@@ -118,3 +118,19 @@ def test_a_destination_takes_only_its_own_settings(desc, why):
     compression to be given (the rule is the shape of the type, not a check repeated in each language)."""
     with pytest.raises(ConfigError, match=why):
         _native.Output(desc)
+
+
+@pytest.mark.parametrize(
+    "name,value,getter",
+    [
+        ("HSCAPTURE_STAGING_BACKLOG_MIB", "-1", requested.staging_backlog_mib),
+        ("HSCAPTURE_MAX_GROWING_SAMPLE_MIB", "0", requested.max_growing_sample_mib),
+        ("HSCAPTURE_STAGING_COLLECT_S", "9", requested.staging_collect_s),
+    ],
+)
+def test_the_server_s_bounds_are_refused_below_their_least(monkeypatch, name, value, getter):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=rf"{name}={value} is not valid: expected at least"):
+        getter()
+    monkeypatch.delenv(name)
+    assert getter() == int(_native.DEFAULTS[name.removeprefix("HSCAPTURE_").lower()])

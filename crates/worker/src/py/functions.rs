@@ -1,6 +1,7 @@
 //! Module-level functions: layer ids, manifests, sample files, verify and resume, the dtype table,
 //! atomic files, the CUDA probe. Each is guarded: a panic (a bug) reaches Python as `HscaptureError`.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use pyo3::prelude::*;
@@ -11,9 +12,8 @@ use crate::attribution::layers::{default_ids, CapturePoint, Convention, LayerPla
 use crate::core_err;
 use crate::output::atomic::write_atomic;
 use crate::output::formats::read_sample_file;
-use crate::output::ledger::manifest::Manifest;
-use crate::output::ledger::record::SampleRecord;
-use crate::output::ledger::record::{file_checksum, Identity};
+use crate::output::ledger::manifest::{Manifest, Skipped};
+use crate::output::ledger::record::{file_checksum, Identity, SampleRecord};
 
 /// Capture points in slot order: `("embeddings", 0)` or `("layer_output", k)`.
 pub fn points(plan: &LayerPlan) -> Vec<(&'static str, usize)> {
@@ -105,6 +105,32 @@ fn write_manifest(py: Python<'_>, path: PathBuf, manifest_json: &str) -> PyResul
     guard("write_manifest", || {
         let mut m = Manifest::from_json(manifest_json)?;
         Ok(py.detach(|| m.write(&path))?)
+    })
+}
+
+/// The manifest of a finished capture as JSON (the schema is the core's, `Manifest::of`): `identity_json` the
+/// capture's identity as the core gives it (extra keys ignored), `records_json` its records, `skipped` the samples
+/// it skipped as `(index, why)`.
+#[pyfunction]
+#[pyo3(signature = (identity_json, model, model_dtype, tensor_parallel_size, created_by, records_json, skipped))]
+#[allow(clippy::too_many_arguments)]
+fn new_manifest(
+    identity_json: &str,
+    model: String,
+    model_dtype: Option<String>,
+    tensor_parallel_size: usize,
+    created_by: BTreeMap<String, String>,
+    records_json: &str,
+    skipped: Vec<(u64, String)>,
+) -> PyResult<String> {
+    guard("new_manifest", || {
+        let identity: Identity =
+            serde_json::from_str(identity_json).map_err(|e| core_err!(Output, "the capture's identity is not valid: {e}").caused_by(&e))?;
+        let samples: Vec<SampleRecord> =
+            serde_json::from_str(records_json).map_err(|e| core_err!(Output, "the capture's records are not valid: {e}").caused_by(&e))?;
+        let skipped = skipped.into_iter().map(|(index, why)| Skipped { index, why }).collect();
+        let m = Manifest::of(&identity, model, model_dtype, tensor_parallel_size, created_by, samples, skipped)?;
+        Ok(serde_json::to_string(&m).map_err(|e| core_err!(Output, "cannot encode the manifest: {e}").caused_by(&e))?)
     })
 }
 
@@ -257,6 +283,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(default_layers, m)?)?;
     m.add_function(wrap_pyfunction!(capture_points, m)?)?;
     m.add_function(wrap_pyfunction!(write_manifest, m)?)?;
+    m.add_function(wrap_pyfunction!(new_manifest, m)?)?;
     m.add_function(wrap_pyfunction!(read_manifest, m)?)?;
     m.add_function(wrap_pyfunction!(read_sample, m)?)?;
     m.add_function(wrap_pyfunction!(checksum, m)?)?;

@@ -90,28 +90,27 @@ def destination(cfg: Any) -> dict[str, Any]:
     return {"kind": "directory", **files}
 
 
+def _at_least(name: str, least: int, what: str) -> int:
+    """An integer setting of the environment, refused below ``least`` with what it means."""
+    v = envs.get(name)
+    if v < least:
+        raise ConfigError(f"{name}={v} is not valid: expected at least {least} ({what})")
+    return v
+
+
 def staging_backlog_mib() -> int:
-    mib = envs.get("HSCAPTURE_STAGING_BACKLOG_MIB")
-    if mib < 0:
-        raise ConfigError(f"HSCAPTURE_STAGING_BACKLOG_MIB={mib} is not valid: expected 0 or more MiB")
-    return mib
+    return _at_least("HSCAPTURE_STAGING_BACKLOG_MIB", 0, "MiB of finished samples that may wait for their files")
 
 
 def max_growing_sample_mib() -> int:
-    mib = envs.get("HSCAPTURE_MAX_GROWING_SAMPLE_MIB")
-    if mib < 1:
-        raise ConfigError(
-            f"HSCAPTURE_MAX_GROWING_SAMPLE_MIB={mib} is not valid: expected at least 1 (MiB one request's sample with "
-            "its generated tokens may take)"
-        )
-    return mib
+    return _at_least(
+        "HSCAPTURE_MAX_GROWING_SAMPLE_MIB", 1, "MiB one request's sample with its generated tokens may take"
+    )
 
 
 def staging_collect_s() -> int:
-    secs = envs.get("HSCAPTURE_STAGING_COLLECT_S")
-    if secs < 10:
-        raise ConfigError(
-            f"HSCAPTURE_STAGING_COLLECT_S={secs} is not valid: expected at least 10 seconds (speculators' client waits "
-            "up to 10 s for a file's lock before it reads the file)"
-        )
-    return secs
+    return _at_least(
+        "HSCAPTURE_STAGING_COLLECT_S",
+        10,
+        "seconds; speculators' client waits up to 10 s for a file's lock before it reads the file",
+    )

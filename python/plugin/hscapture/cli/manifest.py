@@ -11,6 +11,9 @@ from ..output.formats import RunInfo
 from .report import ExtractReport
 from .run import Run
 
+# The capture's identity as the core writes it (its journal's first line, a finish result's keys).
+_IDENTITY = ("format", "model", "layer_ids", "convention", "dtype", "hidden_size", "num_hidden_layers")
+
 
 def finish(run: Run, w: dict | None, seconds: float, shims: list[str]) -> ExtractReport:
     """Checks that every row has its file and writes the manifest (earlier finished samples included)."""
@@ -27,22 +30,18 @@ def finish(run: Run, w: dict | None, seconds: float, shims: list[str]) -> Extrac
     import vllm
 
     meta = w or run.found_identity
-    manifest = {
-        "format": _native.MANIFEST_FORMAT,
-        "sample_format": fmt.name,
-        "model": str(opts.model),
-        "layer_ids": meta["layer_ids"],
-        "convention": meta["convention"],
-        "dtype": meta["dtype"],
-        **({"model_dtype": meta["model_dtype"]} if meta.get("model_dtype") else {}),
-        "hidden_size": meta["hidden_size"],
-        "num_hidden_layers": meta["num_hidden_layers"],
-        "tensor_parallel_size": meta.get("tp_size", opts.tp),
-        "created_by": {"hscapture": _native.__version__, "vllm": getattr(vllm, "__version__", "?")},
-        "samples": records,
-    }
-    if skipped:
-        manifest["skipped"] = [{"index": x["index"], "why": x["why"]} for x in skipped]
+    # The values are the run's; the schema is the core's (Manifest::of).
+    manifest = json.loads(
+        _native.new_manifest(
+            json.dumps({k: meta[k] for k in _IDENTITY if k in meta}),
+            str(opts.model),
+            meta.get("model_dtype") or None,
+            int(meta.get("tp_size", opts.tp)),
+            {"hscapture": _native.__version__, "vllm": str(getattr(vllm, "__version__", "?"))},
+            json.dumps(records),
+            [(x["index"], x["why"]) for x in skipped],
+        )
+    )
     fmt.write_documents(
         out,
         records,

@@ -58,6 +58,38 @@ pub struct Skipped {
 }
 
 impl Manifest {
+    /// The manifest of a finished capture: the facts of its `identity` (layers, convention, stored dtype, widths,
+    /// format), the run's (the model as the run named it, the activations' dtype, the TP size, what made it), its
+    /// records and the samples it skipped. Checked as a read manifest is.
+    #[allow(clippy::too_many_arguments)]
+    pub fn of(
+        identity: &Identity,
+        model: String,
+        model_dtype: Option<String>,
+        tensor_parallel_size: usize,
+        created_by: BTreeMap<String, String>,
+        samples: Vec<SampleRecord>,
+        skipped: Vec<Skipped>,
+    ) -> CoreResult<Manifest> {
+        let m = Manifest {
+            format: FORMAT.into(),
+            sample_format: identity.format.clone(),
+            model,
+            layer_ids: identity.layer_ids.clone(),
+            convention: identity.convention.clone(),
+            dtype: identity.dtype.clone(),
+            model_dtype,
+            hidden_size: identity.hidden_size,
+            num_hidden_layers: identity.num_hidden_layers,
+            tensor_parallel_size,
+            created_by,
+            samples,
+            skipped,
+        };
+        m.check()?;
+        Ok(m)
+    }
+
     /// Parses and checks a manifest: known format, sorted unique layer ids, unique sample files.
     pub fn from_json(text: &str) -> CoreResult<Manifest> {
         let m: Manifest = serde_json::from_str(text).map_err(|e| {

@@ -42,3 +42,23 @@ fn round_trip_sorted() {
     m.samples.push(rec(2));
     assert!(m.write(&p).unwrap_err().message.contains("twice"));
 }
+
+#[test]
+fn a_finished_capture_s_manifest_takes_its_facts_from_the_identity() {
+    let id = Identity {
+        format: "fp8".into(),
+        model: "journal's name".into(),
+        layer_ids: vec![2, 5],
+        convention: "before".into(),
+        dtype: "float8_e4m3fn".into(),
+        hidden_size: 8,
+        num_hidden_layers: 6,
+    };
+    let by = BTreeMap::from([("hscapture".to_string(), "0.1.0".to_string())]);
+    let m = Manifest::of(&id, "/models/x".into(), Some("bfloat16".into()), 2, by.clone(), vec![rec(1)], vec![]).unwrap();
+    assert_eq!((m.format.as_str(), m.sample_format.as_str(), m.model.as_str()), (FORMAT, "fp8", "/models/x"));
+    assert_eq!((m.layer_ids.clone(), m.convention.as_str(), m.dtype.as_str()), (vec![2, 5], "before", "float8_e4m3fn"));
+    assert_eq!((m.hidden_size, m.num_hidden_layers, m.tensor_parallel_size), (8, 6, 2));
+    let twice = Manifest::of(&id, "m".into(), None, 1, by, vec![rec(1), rec(1)], vec![]);
+    assert!(twice.unwrap_err().message.contains("twice"), "checked as a read manifest is");
+}

@@ -68,3 +68,17 @@ def test_pipeline_stages_with_tensor_parallelism_are_refused_by_name(tiny_model)
     )
     with pytest.raises(CompatibilityError, match="pipeline parallelism"):
         args.create_engine_config()
+
+
+def test_a_server_that_takes_prompt_embeddings_is_refused_by_name(tiny_model):
+    """With --enable-prompt-embeds any client could send a request without token ids, which no sample can name and
+    which would stop the capture for every client: refused where the configuration is built."""
+    section = {"layers": [1, 3], "convention": "after", "out": "/x"}
+    args = engine_args(
+        tiny_model("llama"),
+        worker_cls="hscapture.worker.CaptureWorker",
+        additional_config={"hscapture": section},
+        enable_prompt_embeds=True,
+    )
+    with pytest.raises(ConfigError, match="--enable-prompt-embeds"):
+        args.create_engine_config()

@@ -18,6 +18,7 @@ from typing import Any
 from ..errors import ConfigError
 from .parallel import refuse_stages_with_tp
 from .requested import NAME, capture_config
+from .vllm_compat import refuse_prompt_embeds
 
 log = logging.getLogger("hscapture")
 
@@ -32,6 +33,7 @@ def check(vllm_config: Any) -> None:
     mc = vllm_config.model_config
     text = getattr(mc, "hf_text_config", None) or mc.hf_config
     cfg.resolve(int(text.num_hidden_layers))
+    refuse_prompt_embeds(mc)
     pc = vllm_config.parallel_config
     refuse_stages_with_tp(int(getattr(pc, "pipeline_parallel_size", 1)), int(getattr(pc, "tensor_parallel_size", 1)))
     worker_cls = getattr(vllm_config.parallel_config, "worker_cls", "auto")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _native, envs
-from ..errors import CompatibilityError
+from ..errors import CompatibilityError, ConfigError
 
 log = logging.getLogger("hscapture")
 _warned_single_phase = False
@@ -114,6 +114,18 @@ def complete_pending_sample(worker: Any) -> bool:
 LOSS_MASK_KEY = "hscapture_loss_mask"
 """Key in ``SamplingParams.extra_args`` holding a request's training mask (0/1 per prompt token), for
 formats that store one (``legacy``)."""
+
+
+def refuse_prompt_embeds(model_config: Any) -> None:
+    """A server that takes prompt embeddings (``--enable-prompt-embeds``) lets any client send a request without
+    token ids, which no sample can name: one such request would stop the capture for every client. Refused at
+    start-up instead, by name."""
+    if getattr(model_config, "enable_prompt_embeds", False) is True:
+        raise ConfigError(
+            "vLLM is set to take prompt embeddings (--enable-prompt-embeds), but hscapture captures token prompts only: "
+            "a request sent as embeddings has no token ids for its sample. Expected it off; start without "
+            "--enable-prompt-embeds (enable_prompt_embeds=False)"
+        )
 
 
 def include_output_tokens(params: Any) -> bool:

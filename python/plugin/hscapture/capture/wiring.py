@@ -54,6 +54,7 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
     layer_ids = cfg.resolve(n_layers)
     tp = vllm_compat.TPGroup()
     refuse_stages_with_tp(pp_size, tp.size)  # also checked before the engine starts (early_check)
+    vllm_compat.refuse_prompt_embeds(vc.model_config)  # likewise
     writer = tp.rank == 0 and pp_rank == pp_size - 1  # the last stage assembles (pipeline.py)
     out_dtype = model_dtype if cfg.dtype == "auto" else cfg.dtype
     dest = destination(cfg) if writer or cfg.mooncake is None else {"kind": "memory"}

@@ -6,7 +6,8 @@
 #   run: bash scripts/gpu_session.sh install   carry [".gpu/vllm-0.23"]
 #   run: bash scripts/gpu_session.sh run [WHAT] carry [".gpu/stage"]
 #
-# WHAT (default "tests,bench"): tests = tests/gpu; bench = bench/gpu.py for the Llama-8B and DeepSeek-V3
+# WHAT (default "tests,bench"): tests = tests/gpu (TESTS narrows it; the whole of it no longer fits one call:
+# tests-a, tests-b and tests-c are its three parts, one call each); bench = bench/gpu.py for the Llama-8B and DeepSeek-V3
 # shapes with modes plain,hscapture,hscapture_inline,vllm; durable = the same with hscapture_durable;
 # TESTS (environment) narrows the tests part to given pytest paths/node ids;
 # MODELS, MODES and PROMPTS (environment) override the bench part's defaults; HSBENCH_ASYNC=0|1 forces
@@ -56,7 +57,17 @@ case "$what" in
     mkdir -p "$out"
     rm -rf /tmp/hs && mkdir -p /tmp/hs && cp -r tests bench pyproject.toml /tmp/hs/   # pyproject: pytest's markers
     cd /tmp/hs
+    if [[ -n "${HANG_S:-}" ]]; then  # every process's stacks every HANG_S seconds, in $OUT/hang.tgz (bench/hang)
+      export PYTHONPATH=/tmp/hs/bench/hang:$PYTHONPATH HSHANG_DIR=/tmp/hang HSHANG_S=$HANG_S
+      trap 'tar -czf "$out/hang.tgz" -C /tmp hang 2>/dev/null || true' EXIT
+    fi
     python3 -c "import importlib.metadata as m; print('[gpu] vllm', m.version('vllm'), 'pyarrow', m.version('pyarrow'), 'hscapture', m.version('hscapture'))" || true
+    # tests/gpu is past one call's 10 minutes (~19 min on 2026-12-03): three calls, tests-a, tests-b, tests-c.
+    case ",$parts," in
+      *",tests-a,"*) parts="$parts,tests" TESTS="tests/gpu/test_connector_gpu.py::test_connector_files_equal_the_offline_capture tests/gpu/test_connector_gpu.py::test_connector_with_shared_steps_answers_every_request_in_time" ;;
+      *",tests-b,"*) parts="$parts,tests" TESTS="tests/gpu/test_connector_gpu.py::test_capture_changes_no_generated_token_and_captures_the_response tests/gpu/test_device_path.py tests/gpu/test_fp8_device.py tests/gpu/test_graph_capture.py" ;;
+      *",tests-c,"*) parts="$parts,tests" TESTS="tests/gpu/test_oracle_gpu.py tests/gpu/test_vllm_oracle.py tests/gpu/test_tp2.py tests/gpu/test_pp2.py" ;;
+    esac
     if [[ ",$parts," == *",tests,"* ]]; then  # the whole log under $OUT even if the call's limit cuts it short
       timeout "${TESTS_LIMIT_S:-560}" python3 -m pytest ${TESTS:-tests/gpu} -q -s --durations=15 >"$out/tests.log" 2>&1 || true
       grep -E "passed|failed|PASSED|FAILED|Error|SECOND_ORACLE|^[0-9.]+s call" "$out/tests.log" | tail -60

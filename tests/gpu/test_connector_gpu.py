@@ -255,7 +255,15 @@ def test_capture_changes_no_generated_token_and_captures_the_response(tmp_path, 
     got = {}
     for capture in ("0", "1"):
         cmd = [sys.executable, str(script), model, str(tmp_path / "stage"), str(tmp_path / "keep"), capture]
-        r = subprocess.run(cmd + [str(tmp_path / "prompts.json")], capture_output=True, text=True, env=env, timeout=600)
+        try:
+            r = subprocess.run(
+                cmd + [str(tmp_path / "prompts.json")], capture_output=True, text=True, env=env, timeout=300
+            )
+        except subprocess.TimeoutExpired as e:  # the engine or a client stuck: show where it was
+            tail = ((e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")) + (
+                (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+            )
+            pytest.fail(f"capture={capture} did not finish in 300 s:\n" + "\n".join(tail.splitlines()[-60:]))
         line = [x for x in r.stdout.splitlines() if x.startswith("TOKENS ")]
         if r.returncode != 0 or not line:
             pytest.fail(f"capture={capture} failed:\n" + "\n".join((r.stdout + r.stderr).splitlines()[-30:]))

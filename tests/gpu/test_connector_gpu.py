@@ -202,7 +202,8 @@ import fcntl, json, os, shutil, sys, time
 from vllm import LLM, SamplingParams
 from vllm.config import KVTransferConfig
 if __name__ == "__main__":
-    model, stage, keep, capture, prompts_file = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1", sys.argv[5]
+    model, stage, keep, fmt, prompts_file = sys.argv[1:6]  # fmt: "off" (no capture), "file" or "fp8"
+    capture = fmt != "off"
     prompts = json.load(open(prompts_file))[:12]
     kw = dict(model=model, dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
               max_model_len=512, max_num_batched_tokens=STEP_TOKENS, enable_prefix_caching=False, seed=0)
@@ -211,7 +212,7 @@ if __name__ == "__main__":
                    additional_config={"hscapture": {"layers": LAYERS, "convention": "before"}},
                    kv_transfer_config=KVTransferConfig(kv_connector="HscaptureConnector",
                        kv_connector_module_path="hscapture.connector", kv_role="kv_producer",
-                       kv_connector_extra_config={"shared_storage_path": stage, "format": "file"}))
+                       kv_connector_extra_config={"shared_storage_path": stage, "format": fmt}))
     llm = LLM(**kw)
     out = []
     for k, p in enumerate(prompts):  # one request at a time: the same batches with and without capture
@@ -239,7 +240,9 @@ if __name__ == "__main__":
 def test_capture_changes_no_generated_token_and_captures_the_response(tmp_path, offline):
     """Greedy, 40 tokens per request, one request at a time: with capture (prompt and response for every other
     request, prompt only for the rest) the engine generates exactly the tokens it generates without; the response's
-    rows (decode steps replayed from FULL CUDA graphs) equal HF transformers on prompt and response."""
+    rows (decode steps replayed from FULL CUDA graphs) equal HF transformers on prompt and response. A third run
+    stores fp8 quantized on the device (a growing sample, a scale per token): the same tokens generated, and its
+    codes equal speculators' quantizer of the file run's states."""
     from safetensors.torch import load_file
 
     from hscapture.testing import reference
@@ -249,12 +252,19 @@ def test_capture_changes_no_generated_token_and_captures_the_response(tmp_path, 
     script = tmp_path / "tokens.py"
     script.write_text(f"LAYERS = {LAYERS}\nSTEP_TOKENS = {STEP_TOKENS}\n" + _TOKENS)
     (tmp_path / "prompts.json").write_text(json.dumps(_prompts()))
-    (tmp_path / "stage").mkdir()
-    (tmp_path / "keep").mkdir()
     env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "HSCAPTURE_DEVICE_PATH": "required"}
     got = {}
-    for capture in ("0", "1"):
-        cmd = [sys.executable, str(script), model, str(tmp_path / "stage"), str(tmp_path / "keep"), capture]
+    for capture in ("off", "file", "fp8"):  # fp8: quantized on the device, a growing sample token by token
+        (tmp_path / f"stage-{capture}").mkdir()
+        (tmp_path / f"keep-{capture}").mkdir()
+        cmd = [
+            sys.executable,
+            str(script),
+            model,
+            str(tmp_path / f"stage-{capture}"),
+            str(tmp_path / f"keep-{capture}"),
+        ]
+        cmd.append(capture)
         try:
             r = subprocess.run(
                 cmd + [str(tmp_path / "prompts.json")], capture_output=True, text=True, env=env, timeout=300
@@ -263,17 +273,30 @@ def test_capture_changes_no_generated_token_and_captures_the_response(tmp_path, 
             tail = ((e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")) + (
                 (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
             )
-            pytest.fail(f"capture={capture} did not finish in 300 s:\n" + "\n".join(tail.splitlines()[-60:]))
+            pytest.fail(f"{capture} did not finish in 300 s:\n" + "\n".join(tail.splitlines()[-60:]))
         line = [x for x in r.stdout.splitlines() if x.startswith("TOKENS ")]
         if r.returncode != 0 or not line:
-            pytest.fail(f"capture={capture} failed:\n" + "\n".join((r.stdout + r.stderr).splitlines()[-30:]))
+            pytest.fail(f"{capture} failed:\n" + "\n".join((r.stdout + r.stderr).splitlines()[-30:]))
         got[capture] = json.loads(line[-1][len("TOKENS ") :])
-    assert [len(t) for t in got["1"]] == [40] * 12
-    assert got["1"] == got["0"], "the capture changed generated tokens"
+    assert [len(t) for t in got["file"]] == [40] * 12
+    assert got["file"] == got["off"], "the capture changed generated tokens"
+    assert got["fp8"] == got["off"], "the fp8 capture changed generated tokens"
     prompts = _prompts()[:12]
-    seqs = [prompts[k] + got["1"][k][:-1] for k in range(0, 12, 2)]  # every token that went through a forward
-    files = [load_file(tmp_path / "keep" / f"{k}.safetensors") for k in range(0, 12, 2)]
+    seqs = [prompts[k] + got["file"][k][:-1] for k in range(0, 12, 2)]  # every token that went through a forward
+    files = [load_file(tmp_path / "keep-file" / f"{k}.safetensors") for k in range(0, 12, 2)]
     assert [f["token_ids"].tolist() for f in files] == seqs
     cmp = compare([f["hidden_states"] for f in files], reference.compute(model, seqs, LAYERS, "before"))
     print(f"DECODE_ORACLE prompt + response vs transformers: worst relative error {cmp.worst:.2e} at {cmp.where}")
     assert cmp.ok(5e-3), f"worst relative error {cmp.worst:.2e} at {cmp.where}"
+    # fp8: speculators' quantization of the file run's states (the same kernels), a scale per token
+    q = _fp8_utils()
+    codes_same = codes_all = 0
+    for k, f in zip(range(0, 12, 2), files, strict=True):
+        t = load_file(tmp_path / "keep-fp8" / f"{k}.safetensors")
+        assert t["token_ids"].tolist() == f["token_ids"].tolist(), f"fp8 request {k}: token ids"
+        assert tuple(t["hidden_states_scales"].shape) == (len(seqs[k // 2]), 1, 1), f"fp8 request {k}: scales"
+        codes, _scales = q.quantize_tensor_to_fp8(f["hidden_states"])
+        codes_same += int((t["hidden_states"].view(torch.uint8) == codes.view(torch.uint8)).sum())
+        codes_all += codes.numel()
+    print(f"DECODE_FP8 prompt + response: fp8 codes equal speculators' quantizer {codes_same / codes_all:.5f}")
+    assert codes_same >= 0.999 * codes_all, f"only {codes_same}/{codes_all} fp8 codes equal speculators' quantizer"

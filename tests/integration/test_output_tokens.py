@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import random
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -116,3 +117,46 @@ def test_a_request_that_could_outgrow_the_bound_fails_itself_at_admission(tmp_pa
     assert load(after)["token_ids"].tolist() == prompt
     files = sorted(p.name for p in stage.iterdir() if p.name.endswith(".safetensors"))
     assert files == sorted([edge_path.name, after.name]), files
+
+
+def test_an_fp8_server_quantizes_prompt_and_response_token_by_token(tmp_path, tiny_model):
+    """`format: fp8` with `include_output_tokens`: a growing sample's rows are quantized a token at a time (fp8's
+    scale is per token), so prompt-and-response requests run concurrently beside a prompt-only one and each file
+    holds exactly its tokens, with speculators' own quantization of HF's states (codes equal but for float32 noise,
+    every value within the fp8 step)."""
+    from hscapture.testing import reference
+    from support import speculators_path
+
+    sys.path.insert(0, str(speculators_path("0.9.0")))
+    try:
+        from hs_connectors.fp8_utils import dequantize_fp8_tensor, quantize_tensor_to_fp8
+    finally:
+        sys.path.pop(0)
+    model = tiny_model("llama", "float32")
+    rng = random.Random(11)
+    prompts = [[rng.randrange(4, 1000) for _ in range(rng.randint(3, 70))] for _ in range(4)]
+    lengths, outputs = [12, 1, 25, 7], [True, True, True, False]
+    server, stage = serve(tmp_path, model, "fp8")
+    with server, ThreadPoolExecutor(4) as pool:
+        jobs = [pool.submit(ask, server, p, n, o) for p, n, o in zip(prompts, lengths, outputs, strict=True)]
+        results = [j.result() for j in jobs]
+    expected = []
+    for k, (prompt, generated, path) in enumerate(results):
+        tokens = prompt + generated[:-1] if outputs[k] else prompt
+        got = load(path)
+        assert got["token_ids"].tolist() == tokens, f"request {k}: token ids"
+        assert got["hidden_states"].dtype == torch.float8_e4m3fn
+        assert tuple(got["hidden_states"].shape) == (len(tokens), len(LAYERS), 128), f"request {k}"
+        assert tuple(got["hidden_states_scales"].shape) == (len(tokens), 1, 1), f"request {k}: one scale per token"
+        expected.append((tokens, got))
+    ref = reference.compute_subprocess(model, [t for t, _ in expected], LAYERS, "before", tmp_path / "ref")
+    for k, ((_tokens, got), theirs) in enumerate(zip(expected, ref, strict=True)):
+        theirs = theirs.float()
+        codes, _scales = quantize_tensor_to_fp8(theirs)
+        same = (got["hidden_states"].view(torch.uint8) == codes.view(torch.uint8)).float().mean()
+        assert float(same) >= 0.995, f"request {k}: only {float(same):.4f} of the codes equal speculators' quantizer"
+        deq = dequantize_fp8_tensor(got["hidden_states"], got["hidden_states_scales"]).float()
+        # Half an e4m3 ulp of each value (2^-4 relative) or of the scale's denormals, and float32 noise from HF.
+        bound = theirs.abs() * (2**-4 + 2**-7) + got["hidden_states_scales"].float() * 2**-9 + 1e-4
+        assert bool(((deq - theirs).abs() <= bound).all()), f"request {k}: dequantized beyond the fp8 step of HF's"
+    assert not [p for p in stage.iterdir() if p.name.endswith(".partial")]

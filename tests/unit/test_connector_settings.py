@@ -47,7 +47,7 @@ def test_bad_extra_config_is_refused_naming_the_key(extra, match):
 
 def test_merged_with_additional_config_and_conflicts_refused():
     c = from_sources({"hscapture": {"layers": [1, 2], "convention": "before"}}, {"out": "/d", "format": "fp8"})
-    assert (c.layers, c.out, c.format, c.staging) == ((1, 2), "/d", "fp8", True)
+    assert (c.layers, c.out, c.format, c.per_request.kind) == ((1, 2), "/d", "fp8", "staging")
     c = from_sources({}, {"out": "/d", "format": "hscapture", "layers": [3], "convention": "before"})
     assert c.layers == (3,)
     with pytest.raises(ConfigError, match="layers is given twice with different values"):
@@ -65,7 +65,12 @@ def test_mooncake_takes_speculators_store_block_and_writes_no_files():
     s = requested.settings(vc({"format": "mooncake", "mooncake": {"num_writer_threads": 2}, "layers": [2]}))
     assert s["writer_threads"] == 2 and s["layers"] == [2]
     c = from_sources({"hscapture": {"layers": [1, 2], "convention": "before"}}, s | {"layers": [1, 2]})
-    assert (c.out, c.staging, c.writer_threads, c.mooncake["num_writer_threads"]) == (None, False, 2, 2)
+    assert (c.out, c.per_request.kind, c.writer_threads, c.per_request.store["num_writer_threads"]) == (
+        None,
+        "store",
+        2,
+        2,
+    )
     with pytest.raises(ConfigError, match="expected no output directory"):
         from_sources({"hscapture": {"layers": [1], "convention": "before", "out": "/e"}}, {"mooncake": {}})
 

@@ -81,17 +81,27 @@ def test_a_step_with_hostile_arguments_becomes_plain_arguments():
 
 
 def test_the_scheduler_refuses_a_growing_sample_by_the_workers_rule():
-    """The rule the connector answers with (`hidden_states_error`, no path) is the workers' admission rule: rows =
-    prompt + max_tokens - 1 against the bound over the format's row bytes (1 MiB of 3 × 128 float32 values = 682
-    rows; fp8 stores a byte per value and a 4-byte scale per row = 2702 rows)."""
-    from hscapture import _native
+    """The rule the connector answers with (`hidden_states_error`, no path) is the workers' admission rule, decided
+    on the workers' own destination description: rows = prompt + max_tokens - 1 against the bound over the format's
+    row bytes (1 MiB of 3 × 128 float32 values = 682 rows; fp8 stores a byte per value and a 4-byte scale per row =
+    2702 rows; a store keeps the states as captured). A store is described without its client there, never opened."""
+    import pytest
 
-    plain = _native.canonical_format("file")
-    assert _native.growing_sample_refusal(plain, 3, 128, "float32", 1, "r", 10, 673) is None
-    why = _native.growing_sample_refusal(plain, 3, 128, "float32", 1, "r", 10, 674)
+    from hscapture import _native
+    from hscapture.errors import ConfigError
+
+    def described(**d):
+        return _native.Output.described(d, max_growing_sample_mib=1)
+
+    plain = described(kind="staging", root="/s", format="file")
+    assert plain.growing_refusal(3, 128, "float32", "r", 10, 673) is None
+    why = plain.growing_refusal(3, 128, "float32", "r", 10, 674)
     assert "683 rows" in why and "HSCAPTURE_MAX_GROWING_SAMPLE_MIB" in why
-    assert _native.growing_sample_refusal("fp8", 3, 128, "bfloat16", 1, "r", 2, 2701) is None
-    assert _native.growing_sample_refusal("fp8", 3, 128, "bfloat16", 1, "r", 2, 2702) is not None
-    store = _native.STORE_FORMAT  # the packed object holds the states as captured
-    assert _native.growing_sample_refusal(store, 3, 128, "bfloat16", 1, "r", 1, 1365) is None
-    assert _native.growing_sample_refusal(store, 3, 128, "bfloat16", 1, "r", 1, 1366) is not None
+    fp8 = described(kind="staging", root="/s", format="fp8")
+    assert fp8.growing_refusal(3, 128, "bfloat16", "r", 2, 2701) is None
+    assert fp8.growing_refusal(3, 128, "bfloat16", "r", 2, 2702) is not None
+    store = described(kind="store")
+    assert store.growing_refusal(3, 128, "bfloat16", "r", 1, 1365) is None
+    assert store.growing_refusal(3, 128, "bfloat16", "r", 1, 1366) is not None
+    with pytest.raises(ConfigError, match="a store destination needs its client"):
+        _native.Output({"kind": "store"})  # what the workers open must have one

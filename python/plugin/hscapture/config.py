@@ -34,6 +34,19 @@ def default_writer_threads() -> int:
 
 
 @dataclass(frozen=True)
+class PerRequest:
+    """The KV connector's output: each request's sample handed to its client, as a file it collects under the
+    configuration's ``out`` (``staging``), or, with ``store`` (Mooncake's settings), as an object in that store."""
+
+    store: dict[str, Any] | None = None
+
+    @property
+    def kind(self) -> str:
+        """The destination kind it is (``adapters/requested.py::destination``)."""
+        return "staging" if self.store is None else "store"
+
+
+@dataclass(frozen=True)
 class CaptureConfig:
     """What to capture and where to put it, before the model is known."""
 
@@ -48,8 +61,7 @@ class CaptureConfig:
     compress: int = 0
     format: str = _native.DEFAULTS["format"]
     model_name: str = ""
-    staging: bool = False  # per-request files a client collects (the KV connector, connector.py)
-    mooncake: dict[str, Any] | None = None  # per-request objects in a Mooncake store instead (mooncake.py)
+    per_request: PerRequest | None = None  # the KV connector's output (connector.py); None: a capture directory
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def resolve(self, num_hidden_layers: int) -> list[int]:
@@ -231,8 +243,8 @@ def from_sources(additional_config: dict | None, connector: dict | None = None) 
         k: _coerce(k, envs.REGISTRY[v].default, v) for k, v in _KEYS.items() if envs.REGISTRY[v].default is not None
     }
     merged = {**defaults, **values}
-    staging = bool(connector) and mooncake is None
-    if staging and "durable" not in values:
+    per_request = PerRequest(mooncake) if connector or mooncake is not None else None
+    if per_request is not None and per_request.kind == "staging" and "durable" not in values:
         # Per-request files are a hand-over, not a dataset: the client reads each one as soon as its lock is free
         # and moves it away (speculators writes its own copy), and a server that dies fails the requests in flight.
         # Atomic renames keep every file whole; an fsync per file and directory would only slow the server down.
@@ -248,5 +260,5 @@ def from_sources(additional_config: dict | None, connector: dict | None = None) 
             "no compression; remove them"
         )
     return CaptureConfig(
-        model_name=str(section.get("model_name", "")), sources=sources, staging=staging, mooncake=mooncake, **merged
+        model_name=str(section.get("model_name", "")), sources=sources, per_request=per_request, **merged
     )

@@ -63,22 +63,23 @@ class HscaptureConnector(KVConnectorBase_V1):
             raise ConfigError(f"{type(self).__name__} is configured as {vllm_config.kv_transfer_config.kv_connector!r}")
         self.out = found.get("out")
         self.packed: tuple[int, int, str] | None = None  # (layers, hidden size, dtype) of a mooncake object
-        self.growing: tuple | None = None  # (format, layers, hidden size, dtype, MiB): the growing samples' bound
+        self.output: Any = None  # the workers' output, described: it decides which growing samples are refused
+        self.rows: tuple[int, int, str] | None = None  # (layers, hidden size, dtype) of a captured row
         self.outputs: dict[str, list[int]] = {}  # finished requests with generated tokens, for the next step
         if role == KVConnectorRole.SCHEDULER:
             from .adapters.early_check import check
 
             check(vllm_config)  # the capture must be set up (a worker class that captures, valid settings)
-            from .adapters.requested import max_growing_sample_mib
+            from .adapters.requested import destination, max_growing_sample_mib
             from .capture.wiring import model_facts
 
             cfg = capture_config(vllm_config)
             n_layers, hidden, model_dtype, _ = model_facts(vllm_config)
             slots, dtype = len(cfg.resolve(n_layers)), model_dtype if cfg.dtype == "auto" else cfg.dtype
-            store = "mooncake" in found
-            fmt = _native.STORE_FORMAT if store else _native.canonical_format(cfg.format)
-            self.growing = (fmt, slots, hidden, dtype, max_growing_sample_mib())
-            if store:
+            described = destination(cfg)  # the workers' own description
+            self.output = _native.Output.described(described, max_growing_sample_mib=max_growing_sample_mib())
+            self.rows = (slots, hidden, dtype)
+            if described["kind"] == "store":
                 self.packed = (slots, hidden, dtype)
 
     # -- the scheduler side ------------------------------------------------------------------------
@@ -120,9 +121,9 @@ class HscaptureConnector(KVConnectorBase_V1):
 
     def _refusal(self, request: Any, prompt_len: int) -> str | None:
         n = max_tokens(getattr(request, "sampling_params", None))
-        if self.growing is None or n is None:
+        if self.output is None or self.rows is None or n is None:
             return None
-        return _native.growing_sample_refusal(*self.growing, request.request_id, prompt_len, n)
+        return self.output.growing_refusal(*self.rows, request.request_id, prompt_len, n)
 
     # -- the worker side: nothing of the KV cache moves -----------------------------------------------
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -9,12 +9,10 @@
 //!   (backpressure), so host memory is the ring, never more;
 //! - messages run in the order they were sent: a request's rows are scattered before its completion,
 //!   and a drop (request aborted) runs after every earlier step's rows of that request;
-//! - completed samples go to the writer from this thread when a sink is set (a full writer queue
-//!   blocks this thread, whose buffers then stop coming back: backpressure reaches the worker through
-//!   the ring), else to a list the worker takes;
-//! - gated (the worker's capture): a step's samples are held until the worker releases that step,
-//!   once the tensor-parallel ranks agreed on it; samples of a step never released are never handed
-//!   over (dropped with the thread);
+//! - completed samples go from this thread, with their step, to the sink when one is set (the output's release
+//!   gate, which holds them until the ranks agreed on their step; a full writer queue blocks this thread, whose
+//!   buffers then stop coming back: backpressure reaches the worker through the ring), else to a list the worker
+//!   takes;
 //! - the first error (or panic) goes to the capture's [`Failure`] and is reported by the next
 //!   `take_ready`; later jobs still run, so buffers keep coming back and the worker never waits forever;
 //! - dropping the assembler stops and joins the thread (the session drops it before its device,
@@ -57,12 +55,8 @@ impl StepBuffer {
 enum Msg {
     Step(ScatterJob, StepBuffer),
     Drop(String),
-    Sink(Option<Box<dyn Handoff>>),
+    Sink(Option<Arc<dyn Handoff>>),
     Quantize,
-    /// From now on a step's samples wait for its release.
-    Gate,
-    /// Steps up to this one are agreed on: their samples may go.
-    Release(u64),
     Fence(Sender<()>),
     /// Tests only: the thread waits until the sender is used or dropped.
     #[cfg(test)]
@@ -86,59 +80,44 @@ pub struct Assembler {
     handle: Option<JoinHandle<()>>,
 }
 
-/// Where the thread's samples go: held (gated, not released), the writer (a sink), or the worker's list.
+/// Where the thread's samples go: the sink, or the worker's list.
 struct Outlet {
-    sink: Option<Box<dyn Handoff>>,
-    gated: bool,
-    released: Option<u64>,
-    held: Vec<(u64, Sample)>,
+    sink: Option<Arc<dyn Handoff>>,
     ready: Ready,
 }
 
 impl Outlet {
-    fn holds(&self, step: u64) -> bool {
-        self.gated && self.released.is_none_or(|r| step > r)
-    }
-
-    fn deliver(&self, samples: Vec<Sample>) -> CoreResult<()> {
+    fn deliver(&self, step: u64, samples: Vec<Sample>) -> CoreResult<()> {
         match &self.sink {
-            Some(w) => samples.into_iter().try_for_each(|s| w.submit(s)),
+            Some(w) => samples.into_iter().try_for_each(|s| w.submit(step, s)),
             None => {
                 lock(&self.ready).extend(samples);
                 Ok(())
             }
         }
     }
-
-    fn release(&mut self, upto: u64) -> CoreResult<()> {
-        self.released = Some(self.released.map_or(upto, |r| r.max(upto)));
-        let (now, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.held).into_iter().partition(|(step, _)| *step <= upto);
-        self.held = later;
-        self.deliver(now.into_iter().map(|(_, s)| s).collect())
-    }
 }
 
 fn run(rx: Receiver<Msg>, back: Sender<StepBuffer>, ready: Ready, failure: Failure, mut scatter: Scatter) {
-    let mut out = Outlet { sink: None, gated: false, released: None, held: Vec::new(), ready };
+    let mut out = Outlet { sink: None, ready };
     for msg in rx.iter() {
         match msg {
             Msg::Step(job, buf) => {
                 let step = job.step;
-                let hold = out.holds(step);
                 // With a sink, each sample goes to the writer as soon as its rows are copied (from the
                 // scatter thread that copied them), so writing starts while the step is still copied.
                 // A full writer queue does not hold the step buffer: those samples wait in `overflow`.
                 let overflow = Mutex::new(Vec::new());
                 let submit = |s: Sample| match &out.sink {
                     Some(w) => {
-                        if let Some(s) = w.try_submit(s)? {
+                        if let Some(s) = w.try_submit(step, s)? {
                             overflow.lock().unwrap_or_else(|p| p.into_inner()).push(s);
                         }
                         Ok(())
                     }
                     None => Ok(()),
                 };
-                let emit: Option<crate::capture::scatter::Emit<'_>> = if out.sink.is_some() && !hold { Some(&submit) } else { None };
+                let emit: Option<crate::capture::scatter::Emit<'_>> = if out.sink.is_some() { Some(&submit) } else { None };
                 let r = catch_unwind(AssertUnwindSafe(|| buf.rows().and_then(|rows| scatter.run(job, &*rows, emit))))
                     .unwrap_or_else(|_| Err(core_err!(Output, "step {step}: the assembler thread panicked while copying rows")));
                 // The worker may be waiting for this buffer; it gets it back even after an error.
@@ -146,12 +125,7 @@ fn run(rx: Receiver<Msg>, back: Sender<StepBuffer>, ready: Ready, failure: Failu
                 let late = overflow.into_inner().unwrap_or_else(|p| p.into_inner());
                 let r = r.and_then(|mut samples| {
                     samples.extend(late);
-                    if hold {
-                        out.held.extend(samples.into_iter().map(|s| (step, s)));
-                        Ok(())
-                    } else {
-                        out.deliver(samples)
-                    }
+                    out.deliver(step, samples)
                 });
                 if let Err(e) = r {
                     failure.report(ORIGIN, e);
@@ -161,12 +135,6 @@ fn run(rx: Receiver<Msg>, back: Sender<StepBuffer>, ready: Ready, failure: Failu
             Msg::Sink(s) => out.sink = s,
             Msg::Quantize => {
                 if let Err(e) = scatter.set_quantized() {
-                    failure.report(ORIGIN, e);
-                }
-            }
-            Msg::Gate => out.gated = true,
-            Msg::Release(upto) => {
-                if let Err(e) = out.release(upto) {
                     failure.report(ORIGIN, e);
                 }
             }
@@ -216,7 +184,7 @@ impl Assembler {
     /// Where completed samples go from now on: the writer (through `w`), or, with None, the list
     /// `take_ready` empties. Returns once the thread has switched (and dropped any earlier submitter,
     /// so a writer can finish).
-    pub fn set_sink(&self, w: Option<Box<dyn Handoff>>) -> CoreResult<()> {
+    pub fn set_sink(&self, w: Option<Arc<dyn Handoff>>) -> CoreResult<()> {
         self.send(Msg::Sink(w))?;
         self.fence()
     }
@@ -226,17 +194,6 @@ impl Assembler {
     pub fn set_quantized(&self) -> CoreResult<()> {
         self.send(Msg::Quantize)?;
         self.fence()
-    }
-
-    /// From now on a step's samples wait until [`Assembler::release`] covers the step (see the module's invariants).
-    pub fn set_gated(&self) -> CoreResult<()> {
-        self.send(Msg::Gate)?;
-        self.fence()
-    }
-
-    /// Steps up to `upto` are agreed on: their samples go to the sink (or the ready list), in step order.
-    pub fn release(&self, upto: u64) -> CoreResult<()> {
-        self.send(Msg::Release(upto))
     }
 
     /// A step buffer whose rows are copied: waits for one when `block` (None if the thread is gone).

@@ -116,19 +116,10 @@ impl Session {
         self.buffers.set_background(ring)
     }
 
-    /// Where the assembler thread hands completed samples: the writer, or `take_ready` (None).
-    pub fn set_sink(&mut self, w: Option<Box<dyn Handoff>>) -> CoreResult<()> {
+    /// Where the assembler thread hands completed samples, with their steps: the output's gate, or `take_ready`
+    /// (None).
+    pub fn set_sink(&mut self, w: Option<Arc<dyn Handoff>>) -> CoreResult<()> {
         self.buffers.set_sink(w)
-    }
-
-    /// Background assembly holds each step's samples until [`Session::release`] covers the step.
-    pub fn set_gated(&mut self) -> CoreResult<()> {
-        self.buffers.set_gated()
-    }
-
-    /// Steps up to `upto` are agreed on (the ranks compared their checksums): their samples may be stored.
-    pub fn release(&mut self, upto: u64) -> CoreResult<()> {
-        self.buffers.release(upto)
     }
 
     pub fn background(&self) -> bool {

@@ -104,26 +104,9 @@ impl StepBuffers {
 
     /// Background assembly: completed samples go from the assembler thread straight to the writer
     /// (`Some`), or wait for [`StepBuffers::take_ready`] (`None`: also what lets a writer finish).
-    pub fn set_sink(&mut self, w: Option<Box<dyn Handoff>>) -> CoreResult<()> {
+    pub fn set_sink(&mut self, w: Option<Arc<dyn Handoff>>) -> CoreResult<()> {
         match &self.scattering {
             Scattering::Background(a) => a.set_sink(w),
-            Scattering::Inline(_) => Ok(()),
-        }
-    }
-
-    /// The assembler thread holds each step's samples until [`StepBuffers::release`] covers the step (inline,
-    /// the caller holds the samples each step's outcome carries). Only before the first step.
-    pub fn set_gated(&mut self) -> CoreResult<()> {
-        match &self.scattering {
-            Scattering::Background(a) => a.set_gated(),
-            Scattering::Inline(_) => Ok(()),
-        }
-    }
-
-    /// Steps up to `upto` are agreed on: the assembler thread hands their samples over.
-    pub fn release(&mut self, upto: u64) -> CoreResult<()> {
-        match &self.scattering {
-            Scattering::Background(a) => a.release(upto),
             Scattering::Inline(_) => Ok(()),
         }
     }

@@ -13,7 +13,7 @@ use super::tensor::parse_dtype;
 use crate::attribution::layers::Convention;
 use crate::output::formats::{all, by_name, canonical, Descriptor};
 use crate::output::ledger::record::Identity;
-use crate::worker::{defaults, GrowingBound};
+use crate::worker::defaults;
 
 /// Every format's descriptor, in the order they are listed to users.
 #[pyfunction]
@@ -133,31 +133,6 @@ fn output_sample_rows(prompt_len: usize, all_tokens: usize) -> Option<usize> {
     crate::attribution::plan::output_sample_rows(prompt_len, all_tokens)
 }
 
-/// Why the scheduler answers a request whose sample grows with its generated tokens with an error and no path (the
-/// workers refuse it by the same rule, `GrowingBound`), or None when it is admitted. `format` as the workers name it
-/// (a canonical file format or the object store's), `dtype` the states' stored dtype before the format.
-#[pyfunction]
-#[pyo3(signature = (format, slots, width, dtype, max_mib, req_id, prompt_len, max_tokens))]
-#[allow(clippy::too_many_arguments)]
-fn growing_sample_refusal(
-    format: &str,
-    slots: usize,
-    width: usize,
-    dtype: &str,
-    max_mib: u64,
-    req_id: &str,
-    prompt_len: usize,
-    max_tokens: usize,
-) -> PyResult<Option<String>> {
-    guard("growing_sample_refusal", || {
-        // An object store keeps the states as captured (the plain format's rows), as the workers size them.
-        let f = by_name(if format == crate::worker::STORE_FORMAT { defaults::FORMAT } else { format }, None)?;
-        let row_bytes = f.stored_row_bytes(slots, width, parse_dtype(dtype, "dtype")?);
-        let bound = GrowingBound::new(max_mib.saturating_mul(1 << 20), row_bytes);
-        Ok(bound.refusal(req_id, prompt_len, max_tokens))
-    })
-}
-
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let levels = crate::output::formats::compress::LEVELS;
     m.add("COMPRESS_LEVELS", (*levels.start(), *levels.end()))?;
@@ -172,7 +147,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DEFAULTS", d)?;
     m.add("DURABLE_WRITEBACK", crate::output::atomic::Durability::WRITEBACK)?;
     m.add_function(wrap_pyfunction!(formats, m)?)?;
-    m.add_function(wrap_pyfunction!(growing_sample_refusal, m)?)?;
     m.add_function(wrap_pyfunction!(canonical_format, m)?)?;
     m.add_function(wrap_pyfunction!(sample_index, m)?)?;
     m.add_function(wrap_pyfunction!(is_partial, m)?)?;

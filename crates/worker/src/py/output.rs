@@ -59,8 +59,18 @@ const KINDS: [(&str, &[&str]); 4] = [
     ("store", &["kind", "client"]),
 ];
 
-/// A destination from its description (see [`Output`]).
-fn destination(d: &Bound<'_, PyDict>) -> PyResult<Destination> {
+/// A store described where it is not opened (the scheduler-side connector sizes rows by its description; the
+/// workers open the store and write).
+struct NotOpened;
+
+impl crate::output::sinks::store::ObjectStore for NotOpened {
+    fn put(&self, key: &str, _bytes: &[u8]) -> crate::error::CoreResult<()> {
+        Err(crate::core_err!(Config, "{key}: this store is only described here (Output.described), not opened; the workers store samples"))
+    }
+}
+
+/// A destination from its description (see [`Output`]); `opened` false: a store's client may be left out.
+fn destination(d: &Bound<'_, PyDict>, opened: bool) -> PyResult<Destination> {
     // A key given as None is a key not given.
     let get = |k: &str| d.get_item(k).map(|v| v.filter(|v| !v.is_none()));
     let kind: String = get("kind")?
@@ -96,10 +106,11 @@ fn destination(d: &Bound<'_, PyDict>) -> PyResult<Destination> {
                 slow_disk: SlowDisk::default(),
             }
         }
-        "store" => {
-            let client = get("client")?.ok_or_else(|| crate::core_err!(Config, "a store destination needs its client"))?;
-            Destination::Store(Arc::new(PyStore::new(client.unbind())))
-        }
+        "store" => match get("client")? {
+            Some(client) => Destination::Store(Arc::new(PyStore::new(client.unbind()))),
+            None if !opened => Destination::Store(Arc::new(NotOpened)),
+            None => return Err(crate::core_err!(Config, "a store destination needs its client").into()),
+        },
         _ => Destination::Memory,
     })
 }
@@ -117,12 +128,42 @@ impl Output {
     ) -> PyResult<Self> {
         guard("Output()", || {
             let destination = match destination {
-                Some(d) => self::destination(d)?,
+                Some(d) => self::destination(d, true)?,
                 None => Destination::Memory,
             };
             let max_growing_sample = mib(max_growing_sample_mib, "a growing sample bound")?;
             let settings = OutputSettings { destination, model, threads: writer_threads, queue: writer_queue, max_growing_sample };
             Ok(Output { settings })
+        })
+    }
+
+    /// The same output as the workers would open it, described only (a store needs no client): what the
+    /// scheduler-side connector decides by (`growing_refusal`).
+    #[staticmethod]
+    #[pyo3(signature = (destination, *, max_growing_sample_mib=defaults::MAX_GROWING_SAMPLE_MIB))]
+    fn described(destination: &Bound<'_, PyDict>, max_growing_sample_mib: u64) -> PyResult<Output> {
+        guard("Output.described()", || {
+            let destination = self::destination(destination, false)?;
+            let max_growing_sample = mib(max_growing_sample_mib, "a growing sample bound")?;
+            Ok(Output { settings: OutputSettings { destination, max_growing_sample, ..OutputSettings::in_memory() } })
+        })
+    }
+
+    /// Why a request whose sample grows with its generated tokens is refused at admission (its prompt and
+    /// `max_tokens` could outgrow the bound, rows of `slots` × `width` values in `dtype` as this output stores them),
+    /// or None: the workers' own rule (`worker::GrowingBound`).
+    fn growing_refusal(
+        &self,
+        slots: usize,
+        width: usize,
+        dtype: &str,
+        req_id: &str,
+        prompt_len: usize,
+        max_tokens: usize,
+    ) -> PyResult<Option<String>> {
+        guard("Output.growing_refusal()", || {
+            let bound = self.settings.growing_bound(slots, width, super::tensor::parse_dtype(dtype, "dtype")?)?;
+            Ok(bound.refusal(req_id, prompt_len, max_tokens))
         })
     }
 

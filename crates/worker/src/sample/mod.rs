@@ -27,13 +27,13 @@ impl std::fmt::Display for SampleKey {
     }
 }
 
-/// Where capture hands its finished samples on (the output's writer queue implements it): all that capture knows
-/// of writing.
+/// Where capture hands its finished samples on, each with the step that completed it (the output's release gate
+/// implements it, `output/gate.rs`): all that capture knows of writing.
 pub trait Handoff: Send + Sync {
     /// Hands `sample` on if there is room now; gives it back when there is none.
-    fn try_submit(&self, sample: Sample) -> CoreResult<Option<Sample>>;
+    fn try_submit(&self, step: u64, sample: Sample) -> CoreResult<Option<Sample>>;
     /// Hands `sample` on, waiting for room (backpressure); reports an earlier failure of the output.
-    fn submit(&self, sample: Sample) -> CoreResult<()>;
+    fn submit(&self, step: u64, sample: Sample) -> CoreResult<()>;
 }
 
 /// `hidden_states` `[rows, slots, width]` in `dtype` (row-major) and the prompt's `token_ids` — or, with `scales`,

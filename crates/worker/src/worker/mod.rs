@@ -3,13 +3,13 @@
 //! RPC surface), or nothing on a rank that only verifies. The session, its assembler thread and the
 //! writer share one [`Failure`]: the first failure anywhere refuses every later call.
 //!
-//! Only what the tensor-parallel ranks agreed on is stored: a step's samples wait (here, or on the
-//! assembler thread) until [`WorkerSession::release`], which the caller calls once the ranks' meeting
-//! over the steps accounted so far has passed; samples of steps never released are dropped, never
-//! written or journaled.
+//! Only what the tensor-parallel ranks agreed on is stored: every finished sample, scattered inline or on the
+//! assembler thread, goes to the output's release [`Gate`] with its step and waits there until
+//! [`WorkerSession::release`], which the caller calls once the ranks' meeting over the steps accounted so far has
+//! passed; samples of steps never released are dropped, never written or journaled.
 //!
-//! Shutdown order: the assembler thread hands its last samples over and drops its submitter before
-//! the writer finishes (the writer's threads stop only once every submitter is gone).
+//! Shutdown order: the assembler thread hands its last samples over and lets go of the gate, then the gate lets go
+//! of the writer's queue, before the writer finishes (its threads stop only once every submitter is gone).
 
 use std::sync::Arc;
 
@@ -19,6 +19,7 @@ use crate::capture::scatter::Refusal;
 use crate::capture::session::{Aborted, Session, SessionConfig, StepOutcome};
 use crate::capture::tensor::TensorDesc;
 use crate::failure::Failure;
+use crate::output::gate::{Gate, Onward};
 use crate::output::ledger::record::{Identity, SampleRecord};
 use crate::output::sinks::janitor;
 use crate::output::sinks::sink::{FileSink, Layout};
@@ -52,12 +53,17 @@ pub struct StepReport {
 enum Output {
     /// This rank checks and checksums only.
     Nothing,
-    Memory(Vec<Sample>),
+    /// Samples kept for the caller (in the gate).
+    Memory,
     Files(Writer),
 }
 
 pub struct WorkerSession {
+    // Dropped in this order (a session never finished): the assembler thread (in `session`) lets go of the gate,
+    // the gate of the writer's queue, and only then does the writer wait for its threads.
     session: Session,
+    /// In front of the output: samples wait there until their steps are agreed on.
+    gate: Arc<Gate>,
     output: Output,
     /// The format's name (`format.rs`).
     format: &'static str,
@@ -77,8 +83,6 @@ pub struct WorkerSession {
     /// Rows of the samples completed by the device step still in flight: they cannot be written before the next
     /// step collects it, so a release does not wait for them.
     in_flight_rows: usize,
-    /// Samples scattered inline whose steps are not released yet.
-    pending: Vec<Sample>,
     /// The newest step accounted so far: what the next release covers.
     accounted: Option<u64>,
     /// Where the worker's thread spent its time in the core.
@@ -105,14 +109,15 @@ impl WorkerSession {
         let failure = Failure::new();
         let id = identity(&cfg, &out, format.as_ref());
         let id_kept = id.clone();
-        let row_bytes = format.stored_row_bytes(cfg.layers.num_slots(), cfg.hidden_size, cfg.out_dtype);
+        let (cfg_slots, cfg_width, cfg_dtype) = (cfg.layers.num_slots(), cfg.hidden_size, cfg.out_dtype);
+        let row_bytes = format.stored_row_bytes(cfg_slots, cfg_width, cfg_dtype);
         let assemble = cfg.assemble;
         let mut session = Session::with_failure(cfg, failure.clone())?;
         let mut staged = None;
         let wcfg = WriterConfig { threads: out.threads, queue: out.queue, pool: Some(session.pool()), keep_records: dest.keeps_records() };
         let output = match dest {
             _ if !assemble => Output::Nothing,
-            Destination::Memory => Output::Memory(Vec::new()),
+            Destination::Memory => Output::Memory,
             Destination::Store(client) => Output::Files(Writer::start(Arc::new(StoreSink::new(Arc::clone(client))), wcfg, failure)?),
             Destination::Directory(files) => {
                 let sink = FileSink::with_layout(&files.root, format, id, files.durability, Layout::Capture)?;
@@ -138,10 +143,16 @@ impl WorkerSession {
                 Output::Files(Writer::start(Arc::new(sink), wcfg, failure)?)
             }
         };
+        let gate = Arc::new(Gate::new(match &output {
+            Output::Nothing => Onward::Discard,
+            Output::Memory => Onward::Memory,
+            Output::Files(w) => Onward::Writer(w.submitter().ok_or_else(|| crate::core_err!(Output, "the writer has stopped"))?),
+        }));
         let backlog_rows = usize::try_from(dest.backlog() / row_bytes.max(1) as u64).unwrap_or(usize::MAX);
-        let growing = GrowingBound::new(out.max_growing_sample, row_bytes);
+        let growing = out.growing_bound(cfg_slots, cfg_width, cfg_dtype)?;
         Ok(WorkerSession {
             session,
+            gate,
             output,
             format: format_name,
             identity: id_kept,
@@ -150,7 +161,6 @@ impl WorkerSession {
             backlog_rows,
             growing,
             in_flight_rows: 0,
-            pending: Vec::new(),
             accounted: None,
             times: CallTimes::default(),
             started: std::time::SystemTime::now(),
@@ -230,16 +240,11 @@ impl WorkerSession {
         &mut self.session
     }
 
-    /// Scatters rows on the assembler thread (a ring of `ring` step buffers); its completed samples go
-    /// straight to the writer. Only before the first step.
+    /// Scatters rows on the assembler thread (a ring of `ring` step buffers); its completed samples go from there
+    /// to the gate (and, once released, to the writer). Only before the first step.
     pub fn set_background(&mut self, ring: usize) -> CoreResult<()> {
         self.session.set_background(ring)?;
-        self.session.set_gated()?;
-        let sink = match &self.output {
-            Output::Files(w) => w.submitter().map(|s| Box::new(s) as Box<dyn crate::sample::Handoff>),
-            _ => None,
-        };
-        self.session.set_sink(sink)
+        self.session.set_sink(Some(Arc::clone(&self.gate) as Arc<dyn crate::sample::Handoff>))
     }
 
     /// Captures device tensors through `device` from now on (see [`Session::set_device`]).
@@ -255,15 +260,18 @@ impl WorkerSession {
         self.session.set_device(device, in_flight)
     }
 
-    /// Keeps the samples of `outs` until their steps are released, and stores those the assembler thread
-    /// released (all of them so far, waiting, with `fence`).
+    /// Hands the samples of `outs` to the gate, where they wait for their steps' release, and checks the assembler
+    /// thread (waiting for everything handed to it so far, with `fence`).
     fn route(&mut self, outs: Vec<StepOutcome>, fence: bool) -> CoreResult<Vec<StepReport>> {
         let ready = self.session.take_ready(fence)?;
+        ensure!(ready.is_empty(), Output, "the assembler thread completed {} samples with no gate to hand them to", ready.len());
         let mut reports = Vec::with_capacity(outs.len());
         for mut out in outs {
             reports.push(StepReport { step: out.step, checksum: out.checksum, rows: out.rows, completed: out.completed.len() });
             self.accounted = Some(self.accounted.map_or(out.step, |a| a.max(out.step)));
-            self.pending.append(&mut out.completed);
+            for s in std::mem::take(&mut out.completed) {
+                crate::sample::Handoff::submit(&*self.gate, out.step, s)?;
+            }
             if let Some(locks) = &self.locks {
                 out.aborted.iter().for_each(|a| locks.abandon(&a.req_id));
             }
@@ -276,19 +284,7 @@ impl WorkerSession {
                 }
             }
         }
-        self.store(ready)?;
         Ok(reports)
-    }
-
-    fn store(&mut self, samples: Vec<Sample>) -> CoreResult<()> {
-        match &mut self.output {
-            Output::Files(w) => samples.into_iter().try_for_each(|s| w.submit(s)),
-            Output::Memory(kept) => {
-                kept.extend(samples);
-                Ok(())
-            }
-            Output::Nothing => Ok(()),
-        }
     }
 
     /// Every step accounted so far is agreed on (the ranks' meeting passed): its samples are stored. With
@@ -298,9 +294,7 @@ impl WorkerSession {
     pub fn release(&mut self) -> CoreResult<()> {
         let t = std::time::Instant::now();
         if let Some(upto) = self.accounted {
-            self.session.release(upto)?;
-            let agreed = std::mem::take(&mut self.pending);
-            self.store(agreed)?;
+            self.gate.release(upto)?;
         }
         let mut stalled = None;
         if let Some(locks) = &self.locks {
@@ -378,10 +372,7 @@ impl WorkerSession {
     /// Completed samples kept in memory (no output root), removed from the session.
     pub fn take_samples(&mut self) -> CoreResult<Vec<Sample>> {
         self.route(Vec::new(), true)?;
-        Ok(match &mut self.output {
-            Output::Memory(kept) => std::mem::take(kept),
-            _ => Vec::new(),
-        })
+        Ok(self.gate.take_kept())
     }
 
     /// Requests that ended before their prompt was complete, since the last call.
@@ -414,9 +405,11 @@ impl WorkerSession {
     /// records not yet taken.
     pub fn finish(&mut self) -> CoreResult<Vec<SampleRecord>> {
         let mut first = self.route(Vec::new(), true).err();
-        // Always: the writer's threads stop only once the assembler thread's submitter is gone.
+        // Always: the writer's threads stop only once the assembler thread has let go of the gate, and the gate of
+        // the writer's queue.
         let unset = self.session.set_sink(None).err();
         first = first.or(unset);
+        self.gate.close();
         if first.is_none() {
             first = self.route(Vec::new(), true).err();
         }

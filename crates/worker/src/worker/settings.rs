@@ -26,6 +26,13 @@ impl OutputSettings {
     pub fn in_memory() -> OutputSettings {
         OutputSettings { destination: Destination::Memory, model: String::new(), threads: 1, queue: 1, max_growing_sample: u64::MAX }
     }
+
+    /// The bound on a growing sample of `slots` × `width` values in `dtype` per row, as this destination stores
+    /// them (its format's row): the workers' rule, and the scheduler-side connector's (`py/output.rs`).
+    pub fn growing_bound(&self, slots: usize, width: usize, dtype: hscapture_kernels::DType) -> crate::error::CoreResult<GrowingBound> {
+        let row_bytes = self.destination.format()?.stored_row_bytes(slots, width, dtype);
+        Ok(GrowingBound::new(self.max_growing_sample, row_bytes))
+    }
 }
 
 /// The defaults of what a worker's output is told (the Python package reads them from here: `_native.DEFAULTS`).

@@ -80,12 +80,13 @@ def destination(cfg: Any) -> dict[str, Any]:
     the core's): the KV connector's objects in a Mooncake store (``store``: its client is added where it is opened)
     or per-request files (``staging``), a capture directory (``directory``), or memory (speculators' RPC drivers).
     A new kind of output is one branch here and one variant in ``output/destination.rs``."""
-    if cfg.mooncake is not None:
+    kind = cfg.per_request.kind if cfg.per_request is not None else None
+    if kind == "store":
         return {"kind": "store"}
     if cfg.out is None:
         return {"kind": "memory"}
     files = {"root": cfg.out, "format": cfg.format, "compress": cfg.compress or None, "durable": cfg.durable}
-    if cfg.staging:
+    if kind == "staging":
         return {"kind": "staging", **files, "backlog_mib": staging_backlog_mib(), "collect_s": staging_collect_s()}
     return {"kind": "directory", **files}
 

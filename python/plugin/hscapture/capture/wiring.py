@@ -57,12 +57,14 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
     vllm_compat.refuse_prompt_embeds(vc.model_config)  # likewise
     writer = tp.rank == 0 and pp_rank == pp_size - 1  # the last stage assembles (pipeline.py)
     out_dtype = model_dtype if cfg.dtype == "auto" else cfg.dtype
-    dest = destination(cfg) if writer or cfg.mooncake is None else {"kind": "memory"}
+    dest = destination(cfg)
     store = None
-    if dest["kind"] == "store":
+    if dest["kind"] == "store" and not writer:
+        dest = {"kind": "memory"}  # only the writing rank opens the store; the others verify
+    elif dest["kind"] == "store":
         from ..output.mooncake import Store
 
-        store = dest["client"] = Store(cfg.mooncake).open()
+        store = dest["client"] = Store(cfg.per_request.store).open()
     output = _native.Output(
         dest,  # opened on the writing rank only (the others verify): the core decides
         writer_threads=cfg.writer_threads,
@@ -70,7 +72,8 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         model=cfg.model_name or model,
         max_growing_sample_mib=max_growing_sample_mib(),
     )
-    if cfg.staging and (envs.get("HSCAPTURE_TEST_STAGING_DELAY_MS") > 0 or envs.get("HSCAPTURE_TEST_STAGING_HOLD")):
+    staging = dest["kind"] == "staging"
+    if staging and (envs.get("HSCAPTURE_TEST_STAGING_DELAY_MS") > 0 or envs.get("HSCAPTURE_TEST_STAGING_HOLD")):
         output = output.on_slow_disk(
             max(0, envs.get("HSCAPTURE_TEST_STAGING_DELAY_MS")), envs.get("HSCAPTURE_TEST_STAGING_HOLD")
         )
@@ -121,7 +124,7 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         # A device step is collected when a later step runs; the step that reports a server's finished requests
         # always comes, but an engine in the caller's process steps only inside `generate`: its last files would
         # wait for the next call while their clients wait for them.
-        settle_each_step=cfg.staging and path.kind == "device" and vllm_compat.engine_in_caller(),
+        settle_each_step=staging and path.kind == "device" and vllm_compat.engine_in_caller(),
         traced_points=codes,
     )
     order.before_forward = cap.before_forward

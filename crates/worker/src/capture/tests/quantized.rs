@@ -91,7 +91,10 @@ fn a_quantizing_device_keeps_the_writer_the_assembler_hands_samples_to() {
     let seen = Arc::new(Seen::default());
     let wcfg = WriterConfig { threads: 1, queue: 4, pool: Some(s.pool()), keep_records: false };
     let mut writer = Writer::start(seen.clone(), wcfg, s.failure().clone()).unwrap();
-    s.set_sink(writer.submitter().map(|w| Box::new(w) as Box<dyn crate::sample::Handoff>)).unwrap();
+    // A gate whose steps are all agreed on (one rank): samples pass as the assembler thread hands them over.
+    let gate = Arc::new(crate::output::gate::Gate::new(crate::output::gate::Onward::Writer(writer.submitter().unwrap())));
+    gate.release(u64::MAX).unwrap();
+    s.set_sink(Some(Arc::clone(&gate) as Arc<dyn crate::sample::Handoff>)).unwrap();
     s.set_device(Box::new(HostDevice::quantizing(2, 64, 3)), 1).unwrap();
     let total = 3;
     s.begin_step(input(vec![req("a", 3, 0)], vec![], &[("a", 3)])).unwrap();
@@ -114,6 +117,7 @@ fn a_quantizing_device_keeps_the_writer_the_assembler_hands_samples_to() {
     }
     assert_eq!(*seen.0.lock().unwrap(), [("a".to_string(), true)], "the fp8 sample reached the writer with no later call");
     s.set_sink(None).unwrap();
+    gate.close();
     writer.finish().unwrap();
 }
 

@@ -16,7 +16,7 @@ use crate::failure::Failure;
 use crate::output::ledger::record::SampleRecord;
 use crate::output::sinks::sink::Sink;
 use crate::sample::pool::BufferPool;
-use crate::sample::{Handoff, Sample};
+use crate::sample::Sample;
 use crate::{core_err, error::CoreResult};
 
 /// What failed, in the capture's [`Failure`].
@@ -78,16 +78,6 @@ fn check(state: &State) -> CoreResult<()> {
 
 fn stopped() -> crate::CoreError {
     core_err!(Output, "the writer has stopped; no more samples can be written")
-}
-
-impl Handoff for Submitter {
-    fn try_submit(&self, sample: Sample) -> CoreResult<Option<Sample>> {
-        Submitter::try_submit(self, sample)
-    }
-
-    fn submit(&self, sample: Sample) -> CoreResult<()> {
-        Submitter::submit(self, sample)
-    }
 }
 
 impl Submitter {

@@ -16,6 +16,7 @@ import cProfile
 import pstats
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -119,8 +120,25 @@ def main() -> None:
     p.add_argument("--layers", default="4,16,32")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--inline", action="store_true", help="scatter on the worker's thread (HSCAPTURE_ASSEMBLY=inline)")
+    p.add_argument(
+        "--busy-thread",
+        action="store_true",
+        help="another Python thread running throughout (as vLLM's engine has): each call that releases the "
+        "interpreter's lock must win it back",
+    )
     a = p.parse_args()
-    where = "inline" if a.inline else "background assembly"
+    where = ("inline" if a.inline else "background assembly") + (
+        ", a busy Python thread beside" if a.busy_thread else ""
+    )
+    stop = threading.Event()
+    if a.busy_thread:
+
+        def spin() -> None:
+            n = 0
+            while not stop.is_set():
+                n += 1
+
+        threading.Thread(target=spin, daemon=True).start()
     print(
         f"{a.requests} requests × ({a.prompt} prompt + {a.decode} decode steps), hidden {a.hidden}, bf16, CPU, {where}"
     )
@@ -132,6 +150,7 @@ def main() -> None:
             f"{n:6d} | {r['begin']:8.1f} | {r['before_forward']:7.1f} | {r['hooks']:8.1f} ({r['hooks'] / n:5.1f}) | "
             f"{r['end']:6.1f} | {r['files']}"
         )
+    stop.set()
 
 
 if __name__ == "__main__":

@@ -13,9 +13,11 @@
 //! - [`sample`]: what both sides share: a sample, its key, its buffers, the degenerate-states check, and the
 //!   `Handoff` through which capture passes samples, with their steps, to the output's release gate (capture
 //!   imports nothing of `output`);
-//! - [`error`], [`failure`]: the one error type and a capture's one failure flag.
+//! - [`error`], [`failure`]: the one error type and a capture's one failure flag; [`blocking`]: the sections of a
+//!   call that may last (where the binding lets go of the interpreter's lock).
 
 pub mod attribution;
+pub mod blocking;
 pub mod capture;
 pub mod error;
 pub mod failure;

@@ -199,7 +199,7 @@ impl Assembler {
     /// A step buffer whose rows are copied: waits for one when `block` (None if the thread is gone).
     pub fn returned(&self, block: bool) -> Option<StepBuffer> {
         if block {
-            self.back.recv().ok()
+            crate::blocking::section(|| self.back.recv().ok())
         } else {
             self.back.try_recv().ok()
         }
@@ -218,7 +218,8 @@ impl Assembler {
     pub fn fence(&self) -> CoreResult<()> {
         let (ack, done) = bounded::<()>(1);
         self.send(Msg::Fence(ack))?;
-        done.recv().map_err(|_| core_err!(Output, "the assembler thread stopped before finishing its queue"))?;
+        crate::blocking::section(|| done.recv())
+            .map_err(|_| core_err!(Output, "the assembler thread stopped before finishing its queue"))?;
         self.check()
     }
 
@@ -246,7 +247,7 @@ impl Drop for Assembler {
     fn drop(&mut self) {
         self.tx = None;
         if let Some(h) = self.handle.take() {
-            let _ = h.join();
+            let _ = crate::blocking::section(|| h.join());
         }
     }
 }

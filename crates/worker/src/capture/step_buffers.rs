@@ -23,6 +23,9 @@ use crate::sample::Sample;
 use crate::{bail, ensure, error::CoreResult};
 use hscapture_kernels::{capture_rows, RowRun};
 
+/// Bytes of rows from which copying them on the caller's thread is a section that may last (`crate::blocking`).
+const LONG_COPY: usize = 1 << 20;
+
 enum Scattering {
     Inline(Scatter),
     Background(Assembler),
@@ -178,10 +181,15 @@ impl StepBuffers {
         };
         match &mut self.scattering {
             Scattering::Inline(sc) => {
-                let r = match &pinned {
+                // Copying a large step's rows on the caller's thread: a section (letting go of a lock costs more
+                // than copying a few rows).
+                let arena = &self.arena;
+                let bytes = job.segments.iter().map(|s| s.len).sum::<usize>().saturating_mul(self.geo.token_bytes());
+                let run = || match &pinned {
                     Some(b) => b.rows().and_then(|rows| sc.run(job, &*rows, None)),
-                    None => sc.run(job, &self.arena, None),
+                    None => sc.run(job, arena, None),
                 };
+                let r = if bytes >= LONG_COPY { crate::blocking::section(run) } else { run() };
                 if let Some(b) = pinned {
                     give_back(b, device)?;
                 }

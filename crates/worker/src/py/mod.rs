@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 mod errors;
 mod facts;
 mod functions;
+mod interpreter;
 mod output;
 mod ranks;
 mod session;
@@ -16,6 +17,7 @@ mod tensor;
 #[pymodule(gil_used = false)]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    interpreter::install();
     errors::register(m)?;
     functions::register(m)?;
     facts::register(m)?;

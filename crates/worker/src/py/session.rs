@@ -6,12 +6,17 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
 
 use super::errors::guard;
 use super::functions::record_dict;
+use super::interpreter::holding;
+
+/// Bytes of a host tensor from which its copy lets go of the GIL (as `capture/step_buffers.rs` does its scatter).
+const LONG_COPY: usize = 1 << 20;
 use super::output::Output;
 use super::step::Step;
 use super::tensor::{describe, parse_dtype};
 use crate::attribution::layers::{Convention, LayerPlan};
 use crate::capture::cuda::CudaDevice;
 use crate::capture::session::SessionConfig;
+use crate::capture::tensor::Device;
 use crate::output::ledger::record::SampleRecord;
 use crate::sample::SampleKey;
 use crate::worker::{OutputSettings, StepReport, WorkerSession};
@@ -112,23 +117,21 @@ impl CaptureSession {
 
     /// Registers a step's scheduler output (a `Step`, taken: each step builds its own); returns the reports of
     /// the device steps it accounted.
-    fn begin_step(&mut self, py: Python<'_>, step: &Bound<'_, Step>) -> PyResult<Vec<ReportTuple>> {
+    fn begin_step(&mut self, step: &Bound<'_, Step>) -> PyResult<Vec<ReportTuple>> {
         guard("begin_step", || {
             let input = step.borrow_mut().take()?;
-            // May wait for a device step's copies, the ring or the writer: without the GIL.
-            let inner = &mut self.inner;
-            Ok(tuples(py.detach(|| inner.begin_step(input))?))
+            // The GIL is kept: the core lets go of it only where it waits (a device step's copies, the ring, the
+            // writer), `crate::blocking`. Let go of for the whole call, winning it back from the engine's other
+            // Python threads would cost every step.
+            Ok(tuples(holding(|| self.inner.begin_step(input))?))
         })
     }
 
     /// Fixes the step's layout from the runner's request order; with `stream` (the forward's, a raw CUDA stream
     /// handle) also arms the device capture for it, before the forward. Returns the number of prompt rows.
     #[pyo3(signature = (order, stream=None))]
-    fn plan(&mut self, py: Python<'_>, order: Vec<String>, stream: Option<u64>) -> PyResult<usize> {
-        guard("plan", || {
-            let inner = &mut self.inner;
-            Ok(py.detach(|| inner.plan(&order, stream))?)
-        })
+    fn plan(&mut self, order: Vec<String>, stream: Option<u64>) -> PyResult<usize> {
+        guard("plan", || Ok(holding(|| self.inner.plan(&order, stream))?))
     }
 
     /// Captures slot `slot` from a layer's hidden states (+ residual): torch tensors, read in place
@@ -154,18 +157,23 @@ impl CaptureSession {
             // it while the GIL is released; device work is enqueued on the stream PyTorch's forward uses,
             // so it runs before the caching allocator can hand the memory to anything later (a CUDA graph that
             // records the launch owns the memory it recorded).
-            py.detach(|| unsafe { inner.capture(slot, point, &h, r.as_ref(), stream) })?;
+            let capture = || unsafe { inner.capture(slot, point, &h, r.as_ref(), stream) };
+            // A large host tensor's rows are copied here, at length: without the GIL. A device launch is enqueued in
+            // microseconds, and a few host rows copied in less than winning the GIL back would take (a wait, if
+            // any, lets go of it in the core).
+            let bytes = h.rows().saturating_mul(h.width()).saturating_mul(h.dtype.size());
+            match h.device {
+                Device::Cpu if bytes >= LONG_COPY => py.detach(capture)?,
+                _ => holding(capture)?,
+            }
             Ok(())
         })
     }
 
     /// Ends the step. Returns `[(step, checksum_as_i64, rows, completed)]` for the steps accounted now,
     /// oldest first (see `Session::end_step`).
-    fn end_step(&mut self, py: Python<'_>) -> PyResult<Vec<ReportTuple>> {
-        guard("end_step", || {
-            let inner = &mut self.inner;
-            Ok(tuples(py.detach(|| inner.end_step())?))
-        })
+    fn end_step(&mut self) -> PyResult<Vec<ReportTuple>> {
+        guard("end_step", || Ok(tuples(holding(|| self.inner.end_step())?)))
     }
 
     /// Accounts every device step still in flight and waits for the assembler thread.
@@ -178,11 +186,9 @@ impl CaptureSession {
 
     /// Every step accounted so far is agreed on by the ranks (their meeting passed): its samples are stored.
     /// Samples of steps never released are never written.
-    fn release(&mut self, py: Python<'_>) -> PyResult<()> {
-        guard("release", || {
-            let inner = &mut self.inner;
-            Ok(py.detach(|| inner.release())?)
-        })
+    fn release(&mut self) -> PyResult<()> {
+        // A wait for the writer or the backlog lets go of the GIL in the core (`crate::blocking`).
+        guard("release", || Ok(holding(|| self.inner.release())?))
     }
 
     /// What happened since the last call that the worker should log: a stalled writer (per-request files past the

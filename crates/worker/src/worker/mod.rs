@@ -187,7 +187,7 @@ impl WorkerSession {
             return;
         }
         self.swept = Some(std::time::Instant::now());
-        let swept = janitor::sweep(locks.root(), self.collect_within, self.started);
+        let swept = crate::blocking::section(|| janitor::sweep(locks.root(), self.collect_within, self.started));
         if !swept.is_empty() {
             self.notes.push(format!("staging directory {}: {swept}", locks.root().display()));
         }

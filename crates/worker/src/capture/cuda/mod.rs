@@ -342,12 +342,13 @@ impl Drop for CudaDevice {
             let _ = guarded("disarming for good", || {
                 let mut dst = ctl.try_slice_mut(0..CONTROL_WORDS).ok_or_else(|| KernelError("the control block".into()))?;
                 drv("cuMemcpyHtoDAsync", self.copy.memcpy_htod(&words[..], &mut dst))?;
-                drv("cuStreamSynchronize", self.copy.synchronize())
+                crate::blocking::section(|| drv("cuStreamSynchronize", self.copy.synchronize()))
             });
             std::mem::forget(ctl);
         }
         // The copy stream waited for every kernel that used the arena: once it is done, nothing uses the memory
         // the fields free after this.
-        let _ = guarded("synchronising the copy stream", || drv("cuStreamSynchronize", self.copy.synchronize()));
+        let _ =
+            crate::blocking::section(|| guarded("synchronising the copy stream", || drv("cuStreamSynchronize", self.copy.synchronize())));
     }
 }

@@ -166,7 +166,10 @@ impl HostRing {
         let Some(i) = self.flight.pop_front() else {
             bail!(Compatibility, "no device step to collect: `end_step` was not called");
         };
-        if let Err(e) = self.copies_done[i].synchronize() {
+        // Most often done already (two steps in flight): then no section, so nothing is let go of.
+        let done = &self.copies_done[i];
+        let waited = if done.is_complete() { Ok(()) } else { crate::blocking::section(|| done.synchronize()) };
+        if let Err(e) = waited {
             self.free.push(i);
             return Err(cuda_err("cuEventSynchronize", e));
         }

@@ -170,7 +170,13 @@ impl Locks {
         let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(|e| {
             core_err!(Output, "cannot create {}: {e}; the staging directory must be writable", path.display()).caused_by(&e)
         })?;
-        file.lock().map_err(|e| core_err!(Output, "cannot lock {}: {e}", path.display()).caused_by(&e))?;
+        // Waits while another holder has it (a client still reading an earlier file of the same name): a section.
+        let locked = match file.try_lock() {
+            Ok(()) => Ok(()),
+            Err(std::fs::TryLockError::WouldBlock) => crate::blocking::section(|| file.lock()),
+            Err(std::fs::TryLockError::Error(e)) => Err(e),
+        };
+        locked.map_err(|e| core_err!(Output, "cannot lock {}: {e}", path.display()).caused_by(&e))?;
         self.lock().insert(req_id.to_string(), Held { _file: file, rows });
         Ok(())
     }
@@ -226,21 +232,26 @@ impl Locks {
         stop: impl Fn() -> Option<crate::CoreError>,
     ) -> CoreResult<Option<Stalled>> {
         let start = Instant::now();
-        let mut held = self.lock();
-        loop {
-            let waiting: usize = held.values().filter_map(|h| h.rows).sum();
-            if waiting <= limit {
-                return Ok(None);
-            }
-            if let Some(e) = stop() {
-                return Err(e);
-            }
-            if start.elapsed() >= deadline {
-                let files = held.values().filter(|h| h.rows.is_some()).count();
-                return Ok(Some(Stalled { files, rows: waiting, limit, waited: start.elapsed() }));
-            }
-            held = self.freed.wait_timeout(held, Duration::from_millis(50)).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+        if self.lock().values().filter_map(|h| h.rows).sum::<usize>() <= limit {
+            return Ok(None); // the common case: no wait, nothing let go of
         }
+        crate::blocking::section(|| {
+            let mut held = self.lock();
+            loop {
+                let waiting: usize = held.values().filter_map(|h| h.rows).sum();
+                if waiting <= limit {
+                    return Ok(None);
+                }
+                if let Some(e) = stop() {
+                    return Err(e);
+                }
+                if start.elapsed() >= deadline {
+                    let files = held.values().filter(|h| h.rows.is_some()).count();
+                    return Ok(Some(Stalled { files, rows: waiting, limit, waited: start.elapsed() }));
+                }
+                held = self.freed.wait_timeout(held, Duration::from_millis(50)).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+            }
+        })
     }
 }
 

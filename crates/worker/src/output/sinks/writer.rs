@@ -102,7 +102,13 @@ impl Submitter {
         check(&self.state)?;
         // Counted before the send, so that `drain` never sees a written sample it was not told of.
         self.state.submitted.fetch_add(1, Ordering::SeqCst);
-        self.tx.send(sample).map_err(|_| {
+        let sent = match self.tx.try_send(sample) {
+            Ok(()) => Ok(()),
+            // Only a full queue is waited for (a section: see `crate::blocking`).
+            Err(TrySendError::Full(s)) => crate::blocking::section(|| self.tx.send(s).map_err(drop)),
+            Err(TrySendError::Disconnected(_)) => Err(()),
+        };
+        sent.map_err(|()| {
             self.state.submitted.fetch_sub(1, Ordering::SeqCst);
             stopped()
         })
@@ -177,11 +183,12 @@ impl Writer {
 
     /// Waits until every sample submitted so far is written (the writer keeps running).
     pub fn drain(&self) -> CoreResult<()> {
-        let mut g = lock(&self.state.shared);
-        while g.done < self.state.submitted.load(Ordering::SeqCst) {
-            g = self.state.progress.wait(g).unwrap_or_else(|p| p.into_inner());
-        }
-        drop(g);
+        crate::blocking::section(|| {
+            let mut g = lock(&self.state.shared);
+            while g.done < self.state.submitted.load(Ordering::SeqCst) {
+                g = self.state.progress.wait(g).unwrap_or_else(|p| p.into_inner());
+            }
+        });
         self.poll()
     }
 
@@ -199,7 +206,7 @@ impl Writer {
     pub fn finish(&mut self) -> CoreResult<Vec<SampleRecord>> {
         self.tx = None;
         for h in self.handles.drain(..) {
-            if h.join().is_err() {
+            if crate::blocking::section(|| h.join()).is_err() {
                 self.state.failure.report(ORIGIN, core_err!(Output, "a writer thread panicked"));
             }
         }

@@ -11,6 +11,10 @@
 
 use std::sync::OnceLock;
 
+/// Bytes from which copying rows on the caller's thread is a section (below it, letting go of a lock and winning it
+/// back costs more than the copy).
+pub const LONG_COPY: usize = 1 << 20;
+
 /// How a caller's thread lets go of a lock it may hold for the length of a section: `release` returns a token
 /// (what `restore` needs; 0 when this thread held nothing) and `restore` takes the lock back with it.
 #[derive(Clone, Copy)]

@@ -62,7 +62,7 @@ class HscaptureConnector(KVConnectorBase_V1):
         if found is None:  # configured under another name: nothing this class can serve
             raise ConfigError(f"{type(self).__name__} is configured as {vllm_config.kv_transfer_config.kv_connector!r}")
         self.out = found.get("out")
-        self.packed: tuple[int, int, str] | None = None  # (layers, hidden size, dtype) of a mooncake object
+        self.store = False  # samples leave as packed objects in a Mooncake store (a manifest answers), not files
         self.output: Any = None  # the workers' output, described: it decides which growing samples are refused
         self.rows: tuple[int, int, str] | None = None  # (layers, hidden size, dtype) of a captured row
         self.outputs: dict[str, list[int]] = {}  # finished requests with generated tokens, for the next step
@@ -79,8 +79,7 @@ class HscaptureConnector(KVConnectorBase_V1):
             described = destination(cfg)  # the workers' own description
             self.output = _native.Output.described(described, max_growing_sample_mib=max_growing_sample_mib())
             self.rows = (slots, hidden, dtype)
-            if described["kind"] == "store":
-                self.packed = (slots, hidden, dtype)
+            self.store = described["kind"] == "store"
 
     # -- the scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -114,9 +113,9 @@ class HscaptureConnector(KVConnectorBase_V1):
             tokens = [int(t) for t in every[:rows]]  # the last token was sampled, never an input to a forward
             self.outputs[request.request_id] = tokens
             rows, mode = len(tokens), "all"
-        if self.packed is None:
+        if not self.store or self.rows is None:
             return False, {"hidden_states_path": hidden_states_path(self.out, request.request_id)}
-        slots, width, dtype = self.packed
+        slots, width, dtype = self.rows
         return False, json.loads(_native.packed_manifest(request.request_id, rows, slots, width, dtype, mode))
 
     def _refusal(self, request: Any, prompt_len: int) -> str | None:

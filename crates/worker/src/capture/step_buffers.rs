@@ -23,9 +23,6 @@ use crate::sample::Sample;
 use crate::{bail, ensure, error::CoreResult};
 use hscapture_kernels::{capture_rows, RowRun};
 
-/// Bytes of rows from which copying them on the caller's thread is a section that may last (`crate::blocking`).
-const LONG_COPY: usize = 1 << 20;
-
 enum Scattering {
     Inline(Scatter),
     Background(Assembler),
@@ -189,7 +186,7 @@ impl StepBuffers {
                     Some(b) => b.rows().and_then(|rows| sc.run(job, &*rows, None)),
                     None => sc.run(job, arena, None),
                 };
-                let r = if bytes >= LONG_COPY { crate::blocking::section(run) } else { run() };
+                let r = if bytes >= crate::blocking::LONG_COPY { crate::blocking::section(run) } else { run() };
                 if let Some(b) = pinned {
                     give_back(b, device)?;
                 }

@@ -7,9 +7,6 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
 use super::errors::guard;
 use super::functions::record_dict;
 use super::interpreter::holding;
-
-/// Bytes of a host tensor from which its copy lets go of the GIL (as `capture/step_buffers.rs` does its scatter).
-const LONG_COPY: usize = 1 << 20;
 use super::output::Output;
 use super::step::Step;
 use super::tensor::{describe, parse_dtype};
@@ -163,7 +160,7 @@ impl CaptureSession {
             // any, lets go of it in the core).
             let bytes = h.rows().saturating_mul(h.width()).saturating_mul(h.dtype.size());
             match h.device {
-                Device::Cpu if bytes >= LONG_COPY => py.detach(capture)?,
+                Device::Cpu if bytes >= crate::blocking::LONG_COPY => py.detach(capture)?,
                 _ => holding(capture)?,
             }
             Ok(())

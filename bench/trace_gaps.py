@@ -1,0 +1,115 @@
+"""Where a profiled step's time went on the GPU, from torch profiler traces (diagnosis, not a benchmark figure).
+
+    python bench/trace_gaps.py DIR [DIR ...]     # each DIR: one mode's torch_profiler_dir (*.pt.trace.json[.gz])
+
+For each trace, over the span from the first to the last GPU activity:
+- busy: the union of every kernel, memcpy and memset interval, on any stream, and the share of the span it covers;
+  idle gaps between GPU activity by length (a GPU that idles between launches shows here, a slower step does not);
+- per stream: busy time, activity count, and the longest activities by name;
+- host side: the CUDA runtime and driver calls that took longest in total (a synchronising copy or event wait shows
+  as a long ``cudaMemcpyAsync`` / ``cuMemcpyHtoDAsync`` / ``cudaStreamSynchronize``), and how many graphs were
+  launched against eager kernel launches (FULL graphs in decode: one graph launch a step, few kernel launches).
+Prints one block per trace; reads nothing else and writes nothing."""
+
+import gzip
+import json
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+HOST_CATS = {"cuda_runtime", "cuda_driver"}
+GAP_EDGES_US = (10, 100, 1_000, 10_000)
+
+
+def load(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f).get("traceEvents", [])
+
+
+def union(intervals: list[tuple[float, float]]) -> tuple[float, list[float]]:
+    """Total covered length and the gaps between covered runs."""
+    busy, gaps, end = 0.0, [], None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            if end is not None:
+                gaps.append(s - end)
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    return busy, gaps
+
+
+def gap_histogram(gaps: list[float]) -> str:
+    parts, lo = [], 0
+    for hi in (*GAP_EDGES_US, float("inf")):
+        sel = [g for g in gaps if lo <= g < hi]
+        name = f"≥{lo:,} µs" if hi == float("inf") else f"{lo:,}–{hi:,} µs"
+        parts.append(f"{name}: {len(sel)} ({sum(sel) / 1e3:.1f} ms)")
+        lo = hi
+    return "; ".join(parts)
+
+
+def report(path: Path) -> str:
+    events = [e for e in load(path) if e.get("ph") == "X" and "dur" in e]
+    gpu = [e for e in events if e.get("cat") in GPU_CATS]
+    host = [e for e in events if e.get("cat") in HOST_CATS]
+    if not gpu:
+        return f"{path}: no GPU activity in the trace"
+    iv = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu]
+    span = max(e for _, e in iv) - min(s for s, _ in iv)
+    busy, gaps = union(iv)
+    lines = [
+        f"{path}",
+        f"  GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms ({100 * busy / span:.1f}%), "
+        f"idle {(span - busy) / 1e3:.1f} ms in {len(gaps)} gaps",
+        f"  idle gaps: {gap_histogram(gaps)}",
+    ]
+    by_stream: dict[object, list[dict]] = defaultdict(list)
+    for e in gpu:
+        by_stream[(e.get("args") or {}).get("stream", e.get("tid"))].append(e)
+    for stream, evs in sorted(by_stream.items(), key=lambda kv: -sum(float(e["dur"]) for e in kv[1])):
+        sb, _ = union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs])
+        names = Counter()
+        for e in evs:
+            names[e["name"][:70]] += float(e["dur"])
+        top = ", ".join(f"{n} {d / 1e3:.1f} ms" for n, d in names.most_common(4))
+        lines.append(f"  stream {stream}: busy {sb / 1e3:.1f} ms, {len(evs)} activities; {top}")
+    calls, counts = Counter(), Counter()
+    for e in host:
+        calls[e["name"]] += float(e["dur"])
+        counts[e["name"]] += 1
+    lines.append(
+        "  host CUDA calls by total time: "
+        + ", ".join(f"{n} {d / 1e3:.1f} ms/{counts[n]}" for n, d in calls.most_common(8))
+    )
+    graphs = sum(v for k, v in counts.items() if "GraphLaunch" in k)
+    launches = sum(
+        v
+        for k, v in counts.items()
+        if k in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+    )
+    lines.append(f"  graph launches {graphs}, eager kernel launches {launches}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    found = False
+    for d in argv:
+        for p in sorted(Path(d).rglob("*.json*")):
+            if ".json" in p.name:
+                found = True
+                try:
+                    print(report(p), flush=True)
+                except (OSError, ValueError, KeyError) as e:
+                    print(f"{p}: unreadable trace: {e}", flush=True)
+    if not found:
+        print(f"no trace under {' '.join(argv)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -176,11 +176,25 @@ def parser() -> argparse.ArgumentParser:
         "in: 1e-3 float32, 1e-2 float16, 3e-2 bfloat16)",
     )
 
+    sub.add_parser(
+        "launch",
+        add_help=False,  # its own parser: `hscapture launch --help`
+        help="start vllm serve for speculators (the arguments of its scripts/launch_vllm.py), capturing with hscapture",
+    )
     sub.add_parser("version", help="print versions")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:  # speculators' launcher's arguments, vLLM's after them: parsed as it parses them
+        from .launch import main as launch
+
+        try:
+            return launch(argv[1:])
+        except HscaptureError as e:
+            print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
     args = parser().parse_args(argv)
     from .extract import quiet_vllm
 

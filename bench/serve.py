@@ -3,7 +3,7 @@
 
     python3 bench/serve.py --models llama8b,dsv3 --samples 512 --length 1024 --concurrency 32 --decode 128
 
-Modes (each its own server: random weights, `--load-format dummy`, bf16, eager, token-id prompts):
+Modes (each its own server: random weights, `--load-format dummy`, bf16, token-id prompts; eager unless said):
   plain            no capture; driven by this script's client (`POST /v1/completions`, `max_tokens=1`, the same
                    prompts and concurrency), since speculators' client needs a hidden-states path in every answer
   hscapture-file   hscapture's `HscaptureConnector`, `format: file` (bf16 per-request files)
@@ -13,6 +13,11 @@ Modes (each its own server: random weights, `--load-format dummy`, bf16, eager, 
                    its lock is released) or `durable: true` (fsync before the rename), instead of the connector's default
   vllm-file        vLLM's `extract_hidden_states` with its `ExampleHiddenStatesConnector`
   vllm-fp8         vLLM's `extract_hidden_states` with hs_connectors' `FP8HiddenStatesConnector`
+  plain-defaults   no capture, vLLM's defaults (compile, CUDA graphs, chunked prefill) and 4 API servers, as
+                   speculators' launcher starts it; driven like `plain`
+  launch-file, launch-fp8
+                   speculators' launcher's arguments through `hscapture launch` (backend file or fp8): vLLM's
+                   defaults, 4 API servers, hscapture's worker and connector; driven by `generate-offline-data`
   offline          no server: `hscapture extract` of the same prompts into the same disk (its defaults: bf16,
                    fsync per file), for the writer's GB/s beside the servers'
 Each capture mode runs `generate-offline-data --concurrency C --max-retries 0 --fail-on-error` on a prepared dataset
@@ -58,6 +63,8 @@ CAPTURE_MODES = (
     "vllm-fp8",
 )
 DURABLE = {"writeback": "writeback", "fsync": True}
+# Modes with vLLM's defaults (compile, CUDA graphs, chunked prefill) and speculators' front end (4 API servers).
+DEFAULTS_MODES = ("plain-defaults", "launch-file", "launch-fp8")
 
 
 def free_port() -> int:
@@ -76,6 +83,8 @@ def mode_args(mode: str, stage: Path, layers: list[int]) -> list[str]:
     """The server arguments of a mode beyond the common ones (`layers`: vLLM's own, `before`-convention ids)."""
     if mode == "plain":
         return []
+    if mode == "plain-defaults":  # speculators' launcher's front end, without capture
+        return ["--api-server-count", "4"]
     if mode.startswith("hscapture-"):
         kv = {
             "kv_connector": "HscaptureConnector",
@@ -114,19 +123,22 @@ class Server:
     def __init__(self, model: Path, mode: str, stage: Path, layers: list[int], args, log: Path) -> None:
         self.mode, self.log = mode, log
         port = free_port()
-        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--port", str(port)]
-        cmd += ["--host", "127.0.0.1", "--load-format", "dummy", "--dtype", "bfloat16", "--enforce-eager"]
+        common = ["--port", str(port), "--host", "127.0.0.1", "--load-format", "dummy", "--dtype", "bfloat16"]
         longest = max(args.length, args.decode_prompt + args.decode if args.decode else 0)
-        cmd += ["--skip-tokenizer-init", "--max-model-len", str(longest + 16)]
-        # Chunked prefill off in every mode: vLLM 0.23 refuses its own hidden-states connector with it, and the same
-        # steps everywhere make the modes comparable (16 × 1,024-token prompts fill a 16,384-token step either way).
-        cmd += [
-            "--max-num-batched-tokens",
-            str(args.batch_tokens),
-            "--no-enable-prefix-caching",
-            "--no-enable-chunked-prefill",
-        ]
-        cmd += ["--gpu-memory-utilization", "0.85", *args.server_arg, *mode_args(mode, stage, layers)]
+        common += ["--skip-tokenizer-init", "--max-model-len", str(longest + 16)]
+        common += ["--max-num-batched-tokens", str(args.batch_tokens), "--no-enable-prefix-caching"]
+        if mode not in DEFAULTS_MODES:
+            # Eager, chunked prefill off: vLLM 0.23 refuses its own hidden-states connector with chunked prefill, and
+            # the same steps everywhere make these modes comparable (16 × 1,024 tokens fill a 16,384-token step).
+            common += ["--enforce-eager", "--no-enable-chunked-prefill"]
+        common += ["--gpu-memory-utilization", "0.85", *args.server_arg]
+        if mode.startswith("launch-"):  # speculators' launcher's arguments, through `hscapture launch`
+            cmd = [sys.executable, "-m", "hscapture.cli.main", "launch", str(model)]
+            cmd += ["--hidden-states-backend", mode.split("-", 1)[1], "--hidden-states-path", str(stage)]
+            cmd += ["--target-layer-ids", *map(str, layers), "--", *common]
+        else:
+            cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), *common]
+            cmd += mode_args(mode, stage, layers)
         self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
         self.base = f"http://127.0.0.1:{port}"
         self.model = str(model)
@@ -365,7 +377,7 @@ def run_model(name: str, args) -> None:
             continue
         started = time.perf_counter() - t
         try:
-            if mode == "plain":
+            if mode.startswith("plain"):
                 r = drive_plain(server, prompts, args.concurrency)
             else:
                 r = drive_speculators(
@@ -400,16 +412,18 @@ def run_model(name: str, args) -> None:
             f"{r['end_to_end']:.1f} end to end ({r['seconds']:.1f} s){extra}{dec_s}; server start {started:.0f} s",
             flush=True,
         )
-    if "plain" in results:
-        base = results["plain"]
+    for plain in ("plain", "plain-defaults"):
+        if plain not in results:
+            continue
+        base = results[plain]
         print(
-            f"== {name} ({args.samples} × {args.length} tokens, concurrency {args.concurrency}), steady vs plain: "
+            f"== {name} ({args.samples} × {args.length} tokens, concurrency {args.concurrency}), steady vs {plain}: "
             + ", ".join(f"{m} {r['steady'] / base['steady']:.3f}x" for m, r in results.items())
             + "; end to end: "
             + ", ".join(f"{m} {r['end_to_end'] / base['end_to_end']:.3f}x" for m, r in results.items()),
             flush=True,
         )
-        if "decode" in base and "decode" in results.get("hscapture-file", {}):
+        if plain == "plain" and "decode" in base and "decode" in results.get("hscapture-file", {}):
             d0, d1 = base["decode"], results["hscapture-file"]["decode"]
             ratio = (d1["tokens"] / d1["seconds"]) / (d0["tokens"] / d0["seconds"])
             print(f"== {name} decode with include_output_tokens vs plain decode: {ratio:.3f}x", flush=True)

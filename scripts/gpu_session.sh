@@ -4,6 +4,8 @@
 #
 #   scripts/gpu_session.sh stage          # here: copies vLLM 0.23 and builds .gpu/stage (wheel + pytest)
 #   run: bash scripts/gpu_session.sh install   carry [".gpu/vllm-0.23"]
+#        (vLLM 0.26: `VLLM=0.26 bash scripts/gpu_session.sh install` carry [".gpu/vllm-0.26"], built by
+#        scripts/vllm-0.26/build.sh; everything after it is the same)
 #   run: bash scripts/gpu_session.sh run [WHAT] carry [".gpu/stage"]
 #
 # WHAT (default "tests,bench"): tests = tests/gpu (TESTS narrows it; the whole of it no longer fits one call:
@@ -45,8 +47,8 @@ case "$what" in
     cp .venv/speculators-0.9.0/hs_connectors/fp8_utils.py .gpu/stage/spec/speculators-0.9.0/hs_connectors/
     du -sh .gpu/stage .gpu/vllm-0.23
     ;;
-  install)
-    bash .gpu/vllm-0.23/bin/install.sh
+  install)  # VLLM=0.26: the payload scripts/vllm-0.26/build.sh made (carry [".gpu/vllm-0.26"] instead)
+    bash ".gpu/vllm-${VLLM:-0.23}/bin/install.sh"
     ;;
   run)
     parts=${2:-tests,bench}

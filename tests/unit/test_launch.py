@@ -6,7 +6,6 @@ import json
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,8 +13,9 @@ import pytest
 from hscapture.adapters import requested
 from hscapture.cli import launch
 from hscapture.errors import ConfigError
+from support import speculators_path
 
-SPECULATORS = Path(sys.prefix) / "speculators-0.9.0"
+SPECULATORS = speculators_path("0.9.0")
 
 
 @pytest.fixture(scope="module")

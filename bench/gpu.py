@@ -185,6 +185,8 @@ def main() -> None:
                 f"process {time.perf_counter() - t:.0f} s)",
                 flush=True,
             )
+            if "allocator" in res:  # CUDA caching-allocator counts over the timed rounds (each can synchronise)
+                print(f"[{name}/{mode}] allocator over the rounds: {res['allocator']}", flush=True)
             if "host_us_per_step" in res:
                 print(
                     f"[{name}/{mode}] host µs per step over {res['steps']} steps: {res['host_us_per_step']}", flush=True

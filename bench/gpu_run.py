@@ -14,6 +14,28 @@ import time
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# `memory_stats` below travels to the workers as a function (vLLM sends callables only with this set).
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_ooms")
+
+
+def memory_stats(worker) -> dict:
+    """A worker's CUDA caching-allocator counters: a step that frees and re-allocates device memory, or retries an
+    allocation after emptying the cache, synchronises the device (diagnosis of a slower step)."""
+    import torch
+
+    st = torch.cuda.memory_stats()
+    return {k: st.get(k, 0) for k in ALLOCATOR_COUNTS}
+
+
+def allocator_counts(llm) -> dict | None:
+    try:
+        return llm.collective_rpc(memory_stats)[0]
+    except Exception as e:  # noqa: BLE001 - a diagnosis only; the benchmark's figures stand without it
+        print(f"allocator counters unavailable: {type(e).__name__}: {e}", flush=True)
+        return None
+
 
 if __name__ == "__main__":
     mode, model, out, n_prompts, batch, length, layers = sys.argv[1:8]
@@ -138,6 +160,7 @@ if __name__ == "__main__":
         llm.collective_rpc("hscapture_drain")
         clear()
         base_stats = [r for r in llm.collective_rpc("hscapture_stats") if r][0]
+    mem0 = allocator_counts(llm)
     per, drains, parts = [], [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
@@ -150,6 +173,7 @@ if __name__ == "__main__":
         per.append(time.perf_counter() - t0)
         drains.append(time.perf_counter() - t1)  # the run's tail: the last step's copy, assembly and writes
         clear()
+    mem1 = allocator_counts(llm)
     if os.environ.get("HSBENCH_TORCH_PROFILE"):  # after the timed rounds: its overhead changes no figure above
         llm.start_profile()
         llm.generate(prompts[:batch], sp, use_tqdm=False)
@@ -166,6 +190,8 @@ if __name__ == "__main__":
         "drains": drains,
         "drain_parts": parts,
     }
+    if mem0 is not None and mem1 is not None:  # over the timed rounds
+        info["allocator"] = {k: mem1[k] - mem0[k] for k in ALLOCATOR_COUNTS}
     if capture:
         info["device_path"] = path
         st = [r for r in llm.collective_rpc("hscapture_stats") if r][0]

@@ -163,7 +163,10 @@ def renderer_workers_supported() -> bool:
     """Whether this vLLM has ``--renderer-num-workers`` (newer releases only): a feature, not a version."""
     import dataclasses
 
-    from vllm.engine.arg_utils import EngineArgs
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError as e:
+        raise ConfigError(f"vLLM is not importable in this Python ({e}); expected it installed beside hscapture") from e
 
     return any(f.name == "renderer_num_workers" for f in dataclasses.fields(EngineArgs))
 

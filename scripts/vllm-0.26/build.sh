@@ -38,7 +38,15 @@ done
 ls -la "$B/stage"
 tar -C "$B/stage" --transform 's,^,wheels/,' -cf - $(cd "$B/stage" && ls) \
   | xz --x86 --lzma2=preset=9e,dict=256MiB -T1 > "$B/payload.tar.xz"
-mkdir -p "$V/bin" "$V/payload"; cp "$R"/scripts/vllm-0.26/bin/*.{sh,py} "$V/bin/"; rm -f "$V"/payload/* "$V"/payload2/* "$B"/payload.tar.xz.part-*
+# bin/: 0.23's scripts, with what differs for 0.26: a staging folder of its own (0.23's parts share these file names),
+# and the extensions kernels_check imports (0.26 moved _C and _moe_C into *_stable_libtorch).
+mkdir -p "$V/bin" "$V/payload"; cp "$T"/../vllm-0.23/bin/{install.sh,smoke.py,kernels_check.py} "$V/bin/"
+sed -i -e 's/vllm-0\.23/vllm-0.26/g; s/vLLM 0\.23\.0/vLLM 0.26.0/' \
+  -e 's#^STAGE=${VLLMGPU_STAGE:-/tmp/vllmgpu/parts}#STAGE=${VLLMGPU_STAGE:-/tmp/vllmgpu/parts-0.26}#' "$V/bin/install.sh"
+sed -i 's/\["vllm._C", "vllm._C_stable_libtorch", "vllm._moe_C",/["vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch",/' \
+  "$V/bin/kernels_check.py"
+grep -q 'parts-0.26' "$V/bin/install.sh" && grep -q '_moe_C_stable_libtorch' "$V/bin/kernels_check.py"
+rm -f "$V"/payload/* "$V"/payload2/* "$B"/payload.tar.xz.part-*
 split -b 60M -a 2 "$B/payload.tar.xz" "$B/payload.tar.xz.part-"
 N=$(ls "$B"/payload.tar.xz.part-* | wc -l)
 mv "$B/payload.tar.xz.part-aa" "$V/payload/"

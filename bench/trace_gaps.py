@@ -5,7 +5,7 @@
 For each trace, over the span from the first to the last GPU activity:
 - busy: the union of every kernel, memcpy and memset interval, on any stream, and the share of the span it covers;
   idle gaps between GPU activity by length (a GPU that idles between launches shows here, a slower step does not);
-- per stream: busy time, activity count, and the longest activities by name;
+- per stream: busy time, activity count, bytes its copies moved, and the longest activities by name;
 - host side: the CUDA runtime and driver calls that took longest in total (a synchronising copy or event wait shows
   as a long ``cudaMemcpyAsync`` / ``cuMemcpyHtoDAsync`` / ``cudaStreamSynchronize``), and how many graphs were
   launched against eager kernel launches (FULL graphs in decode: one graph launch a step, few kernel launches).
@@ -77,7 +77,9 @@ def report(path: Path) -> str:
         for e in evs:
             names[e["name"][:70]] += float(e["dur"])
         top = ", ".join(f"{n} {d / 1e3:.1f} ms" for n, d in names.most_common(4))
-        lines.append(f"  stream {stream}: busy {sb / 1e3:.1f} ms, {len(evs)} activities; {top}")
+        copied = sum(int((e.get("args") or {}).get("bytes", 0)) for e in evs if e.get("cat") == "gpu_memcpy")
+        moved = f", copies move {copied / 1e6:,.1f} MB" if copied else ""
+        lines.append(f"  stream {stream}: busy {sb / 1e3:.1f} ms, {len(evs)} activities{moved}; {top}")
     calls, counts = Counter(), Counter()
     for e in host:
         calls[e["name"]] += float(e["dur"])

@@ -98,10 +98,16 @@ def test_a_graph_without_a_slots_launch_fails_the_step_naming_it():
 
 
 def test_a_graph_that_outlives_its_session_replays_harmlessly():
+    """The arena goes with the session; the control block the graph reads stays, disarmed, and so does the kernel's
+    module. The replays run under the profiler (CUPTI resolves each replayed kernel): a graph node of an unloaded
+    module crashed the process there (H200, 2026-12-03), where without CUPTI it happened to run."""
+    from torch.profiler import ProfilerActivity, profile
+
     s = _session(True)
     h = torch.randn(PAD, H, device="cuda").to(torch.bfloat16)
     g = _graph(s, h, None, [0, 1, 2])
-    del s  # the arena is freed; the control block the graph reads stays, disarmed
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
+    del s
+    with profile(activities=[ProfilerActivity.CUDA]):
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()

@@ -3,9 +3,11 @@
 //! PyTorch uses) through `cudarc`'s owned types, and launched on PyTorch's current stream, which `cudarc` borrows
 //! (`wrap_borrowed_stream`: never destroyed here).
 //!
-//! Invariants: `CaptureKernel` holds the primary context (a `CudaContext`, released when its last holder goes)
-//! and the module (unloaded when its functions go); every entry point makes the context current on the calling
-//! thread first. The context does not track `CudaSlice` uses with events: its callers order their streams
+//! Invariants: the module is loaded once per device and process and never unloaded: a CUDA graph that recorded a
+//! launch (vLLM captures its graphs with the capture kernel in them) may replay it after every session is gone, and
+//! a replayed kernel node of an unloaded module is undefined (on the H200 it crashed the process once CUPTI had
+//! been started by a profiler). `CaptureKernel` is a handle on that loaded module and the primary context (a
+//! `CudaContext`, retained with it); every entry point makes the context current on the calling thread first. The context does not track `CudaSlice` uses with events: its callers order their streams
 //! themselves (`capture/cuda/`).
 
 use std::collections::HashMap;
@@ -117,6 +119,7 @@ pub struct Fp8Args {
     pub scales: u64,
 }
 
+#[derive(Clone)]
 pub struct CaptureKernel {
     ctx: Arc<CudaContext>,
     func: CudaFunction,
@@ -125,8 +128,21 @@ pub struct CaptureKernel {
 }
 
 impl CaptureKernel {
-    /// Compiles and loads the kernel for device `ordinal`.
+    /// The kernels on device `ordinal`: compiled and loaded at the first call for that device, then the same
+    /// loaded module for the process's life (see the module's invariants).
     pub fn load(ordinal: i32) -> Result<CaptureKernel, KernelError> {
+        static LOADED: OnceLock<Mutex<HashMap<i32, CaptureKernel>>> = OnceLock::new();
+        let loaded = LOADED.get_or_init(|| Mutex::new(HashMap::new()));
+        let mut g = loaded.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(k) = g.get(&ordinal) {
+            return Ok(k.clone());
+        }
+        let k = Self::load_new(ordinal)?;
+        g.insert(ordinal, k.clone());
+        Ok(k)
+    }
+
+    fn load_new(ordinal: i32) -> Result<CaptureKernel, KernelError> {
         guarded("loading the capture kernel", || {
             let ordinal = usize::try_from(ordinal).map_err(|e| err("device ordinal", e))?;
             let ctx = CudaContext::new(ordinal).map_err(|e| err("cuDevicePrimaryCtxRetain", e))?;

@@ -20,7 +20,8 @@
 //! - on drop the forward's last work is disarmed and the copy stream synchronised: it waited for every kernel that
 //!   used the arena, so the arena (freed on that stream) and the pinned buffers go only once no work uses them. The
 //!   control block outlives the session when a launch ran outside a step: a CUDA graph may have recorded it, and a
-//!   replay after the session is gone must still read "disarmed" there.
+//!   replay after the session is gone must still read "disarmed" there (and the kernel's module stays loaded for
+//!   the process: `hscapture_kernels::launch`).
 
 mod arena;
 mod ring;

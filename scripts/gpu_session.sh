@@ -16,7 +16,8 @@
 # vLLM's asynchronous scheduling off/on in every mode (does hscapture's per-step wait cost the overlap?);
 # graphs = prefill under vLLM's defaults (torch.compile and CUDA graphs) vs eager, 512 prompts, Llama-8B and DeepSeek-V3
 # shapes (modes plain_graphs,hscapture_graphs,hscapture,plain); decode = prompt and response captured in one pass
-# (include_output_tokens through the KV connector), 256 requests × 512 + 128 generated tokens, batch 64, the same modes;
+# (include_output_tokens through the KV connector), 256 requests × 512 + 128 generated tokens, batch 64, the same modes
+# (REPEAT=K runs the mode list K times over, for modes whose runs spread: plain eager);
 # fp8 = bf16 vs fp8 files (modes plain,hscapture,hscapture_fp8,hscapture_fp8_host); serve = bench/serve.py
 # (vllm serve with each hidden-states path, driven by speculators' own generate-offline-data: plain, hscapture's
 # connector file and fp8, vLLM's extract_hidden_states with its own and hs_connectors' fp8 connector; decode with
@@ -73,7 +74,9 @@ case "$what" in
     esac
     if [[ ",$parts," == *",tests,"* ]]; then  # the whole log under $OUT even if the call's limit cuts it short
       timeout "${TESTS_LIMIT_S:-560}" python3 -m pytest ${TESTS:-tests/gpu} -q -s --durations=15 >"$out/tests.log" 2>&1 || true
-      grep -E "passed|failed|PASSED|FAILED|Error|SECOND_ORACLE|^[0-9.]+s call" "$out/tests.log" | tail -60
+      # A crashed pytest may leave no summary line: grep finding nothing must not end the script (set -e) before
+      # the parts after it run.
+      { grep -E "passed|failed|PASSED|FAILED|Error|SECOND_ORACLE|^[0-9.]+s call" "$out/tests.log" || true; } | tail -60
     fi
     if [[ ",$parts," == *",bench,"* ]]; then
       python3 bench/gpu.py --models "${MODELS:-llama8b,dsv3}" --modes "${MODES:-plain,hscapture,hscapture_inline,vllm}" \
@@ -85,7 +88,7 @@ case "$what" in
     fi
     if [[ ",$parts," == *",decode,"* ]]; then
       python3 bench/gpu.py --models "${MODELS:-llama8b}" --modes "${MODES:-plain_graphs,hscapture_graphs,hscapture,plain}" \
-        --prompts "${PROMPTS:-256}" --batch 64 --length 512 --decode 128 --rounds "${ROUNDS:-2}" 2>&1 | tee "$out/decode-bench.log"
+        --prompts "${PROMPTS:-256}" --batch 64 --length 512 --decode 128 --rounds "${ROUNDS:-2}" --repeat "${REPEAT:-1}" 2>&1 | tee "$out/decode-bench.log"
     fi
     if [[ ",$parts," == *",profile,"* ]]; then  # why decode under graphs is slower: bisecting modes, stacks, kernels
       rm -rf /tmp/prof && mkdir -p /tmp/prof/stacks /tmp/prof/torch
@@ -99,7 +102,7 @@ case "$what" in
     fi
     if [[ ",$parts," == *",graphs,"* ]]; then
       python3 bench/gpu.py --models "${MODELS:-llama8b,dsv3}" --modes "${MODES:-plain_graphs,hscapture_graphs,hscapture,plain}" \
-        --prompts "${PROMPTS:-512}" --batch 16 --length 1024 --rounds "${ROUNDS:-2}" 2>&1 | tee "$out/graphs-bench.log"
+        --prompts "${PROMPTS:-512}" --batch 16 --length 1024 --rounds "${ROUNDS:-2}" --repeat "${REPEAT:-1}" 2>&1 | tee "$out/graphs-bench.log"
     fi
     if [[ ",$parts," == *",fp8,"* ]]; then  # bf16 vs fp8 files (quantized on the GPU, or in the writer threads)
       python3 bench/gpu.py --models "${MODELS:-llama8b,dsv3}" --modes "${MODES:-plain,hscapture,hscapture_fp8,hscapture_fp8_host}" \

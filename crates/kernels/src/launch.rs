@@ -7,8 +7,8 @@
 //! launch (vLLM captures its graphs with the capture kernel in them) may replay it after every session is gone, and
 //! a replayed kernel node of an unloaded module is undefined (on the H200 it crashed the process once CUPTI had
 //! been started by a profiler). `CaptureKernel` is a handle on that loaded module and the primary context (a
-//! `CudaContext`, retained with it); every entry point makes the context current on the calling thread first. The context does not track `CudaSlice` uses with events: its callers order their streams
-//! themselves (`capture/cuda/`).
+//! `CudaContext`, retained with it); every entry point makes the context current on the calling thread first. The
+//! context does not track `CudaSlice` uses with events: its callers order their streams themselves (`capture/cuda/`).
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};

@@ -8,13 +8,12 @@ use super::*;
 /// Copies `src`, exactly its length, to the start of `dst` on `stream`. Not cudarc's `memcpy_dtoh`: that copies
 /// `size_of_val(dst)` bytes, a pinned buffer's whole capacity, whatever `src` holds; a decode step of 64 rows then
 /// moved every slot's `capacity` rows (measured on the H200: ~10 ms of copies a step, vLLM's sampled-token copy
-/// queued behind them, decode at 0.6× of plain).
+/// queued behind them, decode at 0.6× of plain). The caller has made the context current (`end_step`).
 fn copy_to_pinned<T: DeviceRepr>(stream: &Arc<CudaStream>, src: &CudaView<'_, T>, dst: &mut PinnedHostSlice<T>) -> Result<(), KernelError> {
     let (n, room) = (src.len(), HostSlice::len(dst));
     if n > room {
         return Err(KernelError(format!("a step's copy of {n} elements into a pinned buffer of {room}")));
     }
-    drv("cuCtxSetCurrent", stream.context().bind_to_thread())?;
     let (from, _after_src) = src.device_ptr(stream);
     // SAFETY: the pinned buffer is this context's page-locked allocation; cudarc orders its use on `stream` (the
     // wait on the buffer's event here, the record when `_after_dst` drops after the enqueue); `n` elements fit it.

@@ -206,6 +206,8 @@ def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: di
         )
         if "allocator" in res:  # CUDA caching-allocator counts over the timed rounds (each can synchronise)
             print(f"[{name}/{mode}] allocator over the rounds: {res['allocator']}", flush=True)
+        if "thread_cpu_s" in res:  # CPU seconds per thread name over the rounds: the capture's threads vs the engine's
+            print(f"[{name}/{mode}] worker threads' CPU seconds over the rounds: {res['thread_cpu_s']}", flush=True)
         if "host_us_per_step" in res:
             print(f"[{name}/{mode}] host µs per step over {res['steps']} steps: {res['host_us_per_step']}", flush=True)
         subprocess.run(["rm", "-rf", str(run_out)])

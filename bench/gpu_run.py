@@ -29,6 +29,41 @@ def memory_stats(worker) -> dict:
     return {k: st.get(k, 0) for k in ALLOCATOR_COUNTS}
 
 
+def thread_cpu(worker) -> dict:
+    """CPU seconds each thread of the worker's process has used, summed by thread name: whether the capture's threads
+    (assembler, writers) take cores from the engine's (diagnosis of a slower host-bound step)."""
+    import os
+
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/self/task/{t}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        fields = stat.rpartition(")")[2].split()
+        out[f"{t}:{name}"] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
+def threads_used(llm, before: dict | None) -> dict | None:
+    """Per thread name, CPU seconds since ``before`` (a ``thread_cpu`` reading), largest first; None on failure."""
+    try:
+        now = llm.collective_rpc(thread_cpu)[0]
+    except Exception as e:  # noqa: BLE001 - a diagnosis only
+        print(f"thread CPU times unavailable: {type(e).__name__}: {e}", flush=True)
+        return None
+    if before is None:
+        return now
+    used: dict[str, float] = {}
+    for k, v in now.items():
+        name = k.partition(":")[2]
+        used[name] = used.get(name, 0.0) + v - before.get(k, 0.0)
+    return dict(sorted(((k, round(v, 2)) for k, v in used.items() if v >= 0.01), key=lambda kv: -kv[1]))
+
+
 def allocator_counts(llm) -> dict | None:
     try:
         return llm.collective_rpc(memory_stats)[0]
@@ -161,6 +196,7 @@ if __name__ == "__main__":
         clear()
         base_stats = [r for r in llm.collective_rpc("hscapture_stats") if r][0]
     mem0 = allocator_counts(llm)
+    cpu0 = threads_used(llm, None)
     per, drains, parts = [], [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
@@ -174,6 +210,7 @@ if __name__ == "__main__":
         drains.append(time.perf_counter() - t1)  # the run's tail: the last step's copy, assembly and writes
         clear()
     mem1 = allocator_counts(llm)
+    cpu1 = threads_used(llm, cpu0) if cpu0 is not None else None
     if os.environ.get("HSBENCH_TORCH_PROFILE"):  # after the timed rounds: its overhead changes no figure above
         llm.start_profile()
         llm.generate(prompts[:batch], sp, use_tqdm=False)
@@ -192,6 +229,8 @@ if __name__ == "__main__":
     }
     if mem0 is not None and mem1 is not None:  # over the timed rounds
         info["allocator"] = {k: mem1[k] - mem0[k] for k in ALLOCATOR_COUNTS}
+    if cpu1:  # the worker process's threads over the timed rounds (TP=1: the engine core's process)
+        info["thread_cpu_s"] = dict(list(cpu1.items())[:8])
     if capture:
         info["device_path"] = path
         st = [r for r in llm.collective_rpc("hscapture_stats") if r][0]

@@ -8,7 +8,9 @@ For each trace, over the span from the first to the last GPU activity:
 - per stream: busy time, activity count, bytes its copies moved, and the longest activities by name;
 - host side: the CUDA runtime and driver calls that took longest in total (a synchronising copy or event wait shows
   as a long ``cudaMemcpyAsync`` / ``cuMemcpyHtoDAsync`` / ``cudaStreamSynchronize``), and how many graphs were
-  launched against eager kernel launches (FULL graphs in decode: one graph launch a step, few kernel launches).
+  launched against eager kernel launches (FULL graphs in decode: one graph launch a step, few kernel launches);
+- the longest idle gaps: where in the span, the GPU activity either side, and what the host was doing meanwhile (the
+  host events that overlap the gap most: CUDA calls, operators, vLLM's annotations).
 Prints one block per trace; reads nothing else and writes nothing."""
 
 import gzip
@@ -19,6 +21,9 @@ from pathlib import Path
 
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 HOST_CATS = {"cuda_runtime", "cuda_driver"}
+# What the host did during a GPU gap: these events overlapping it, longest overlap first.
+HOST_WHILE = HOST_CATS | {"cpu_op", "user_annotation", "python_function"}
+LONGEST_GAPS = 6
 GAP_EDGES_US = (10, 100, 1_000, 10_000)
 
 
@@ -28,13 +33,15 @@ def load(path: Path) -> list[dict]:
         return json.load(f).get("traceEvents", [])
 
 
-def union(intervals: list[tuple[float, float]]) -> tuple[float, list[float]]:
-    """Total covered length and the gaps between covered runs."""
+def union(intervals: list[tuple[float, float]], where: list | None = None) -> tuple[float, list[float]]:
+    """Total covered length and the gaps between covered runs (``where``, if given, gets each gap's (start, end))."""
     busy, gaps, end = 0.0, [], None
     for s, e in sorted(intervals):
         if end is None or s > end:
             if end is not None:
                 gaps.append(s - end)
+                if where is not None:
+                    where.append((end, s))
             busy += e - s
             end = e
         elif e > end:
@@ -61,7 +68,8 @@ def report(path: Path) -> str:
         return f"{path}: no GPU activity in the trace"
     iv = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu]
     span = max(e for _, e in iv) - min(s for s, _ in iv)
-    busy, gaps = union(iv)
+    spans: list[tuple[float, float]] = []
+    busy, gaps = union(iv, spans)
     lines = [
         f"{path}",
         f"  GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms ({100 * busy / span:.1f}%), "
@@ -95,7 +103,36 @@ def report(path: Path) -> str:
         if k in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
     )
     lines.append(f"  graph launches {graphs}, eager kernel launches {launches}")
+    lines += longest_gaps(spans, gpu, [e for e in events if e.get("cat") in HOST_WHILE], min(s for s, _ in iv))
     return "\n".join(lines)
+
+
+def longest_gaps(spans: list[tuple[float, float]], gpu: list[dict], host: list[dict], t0: float) -> list[str]:
+    """The longest GPU idle gaps: when (ms into the span), the GPU activity ending before and starting after, and the
+    host events overlapping each most."""
+    ends = sorted(gpu, key=lambda e: float(e["ts"]) + float(e["dur"]))
+    starts = sorted(gpu, key=lambda e: float(e["ts"]))
+    out = [f"  longest idle gaps ({min(LONGEST_GAPS, len(spans))} of {len(spans)}):"]
+    for a, b in sorted(spans, key=lambda g: g[0] - g[1])[:LONGEST_GAPS]:
+        before = max(
+            (e for e in ends if float(e["ts"]) + float(e["dur"]) <= a + 0.5),
+            default=None,
+            key=lambda e: float(e["ts"]) + float(e["dur"]),
+        )
+        after = next((e for e in starts if float(e["ts"]) >= b - 0.5), None)
+        over = Counter()
+        for e in host:
+            s, d = float(e["ts"]), float(e["dur"])
+            o = min(b, s + d) - max(a, s)
+            if o > 0:
+                over[f"{e.get('cat')}:{e['name'][:60]}"] += o
+        meanwhile = ", ".join(f"{n} {o / 1e3:.2f} ms" for n, o in over.most_common(5)) or "nothing traced"
+        name = lambda e: e["name"][:50] if e else "-"  # noqa: E731
+        out.append(
+            f"    {(b - a) / 1e3:.2f} ms at {(a - t0) / 1e3:.1f} ms: after {name(before)}, before {name(after)}; "
+            f"host meanwhile: {meanwhile}"
+        )
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -106,7 +143,7 @@ def main(argv: list[str]) -> int:
                 found = True
                 try:
                     print(report(p), flush=True)
-                except (OSError, ValueError, KeyError) as e:
+                except (OSError, EOFError, ValueError, KeyError) as e:  # a trace cut short by a limit
                     print(f"{p}: unreadable trace: {e}", flush=True)
     if not found:
         print(f"no trace under {' '.join(argv)}")

@@ -25,7 +25,9 @@
 # profile = the decode benchmark's bisecting modes (hscapture_prompt_graphs: the connector, prompt only;
 # hscapture_offline_graphs: no connector) with each process's Python stacks sampled (bench/profile) and vLLM's torch
 # profiler table of CUDA time per kernel over one extra batch, all in $OUT/profile.tgz; bench/trace_gaps.py's summary
-# of each trace (GPU busy vs idle, idle gaps, the host's CUDA calls) in $OUT/trace-gaps.txt;
+# of each trace (GPU busy vs idle, the longest idle gaps and what the host did meanwhile, the host's CUDA calls) in
+# $OUT/trace-gaps.txt; eager decode bisected: MODES=plain,hscapture PROMPTS=64 run profile, then
+# MODES=hscapture_prompt,hscapture_offline PROMPTS=64 (eager modes run ~140 s each under the profiler: two per call);
 # disk = bench/disk_writeback.py on the machine's disk (DISK_FILES files of 58.7 MB per mode);
 # tp2 (nvidia-h200-x2) = the same benchmark at tensor-parallel 2 (modes plain,hscapture,vllm by default).
 # (The DeepSeek-V3 TP=2 vs TP=1 check in float32 cannot run there: vLLM 0.23 has no float32 MLA backend.)
@@ -96,7 +98,7 @@ case "$what" in
         timeout "${PROFILE_LIMIT_S:-530}" python3 bench/gpu.py --models "${MODELS:-llama8b}" \
         --modes "${MODES:-plain_graphs,hscapture_graphs,hscapture_prompt_graphs,hscapture_offline_graphs}" \
         --prompts "${PROMPTS:-256}" --batch 64 --length 512 --decode 128 --rounds "${ROUNDS:-1}" 2>&1 | tee "$out/profile-bench.log" || true
-      python3 bench/trace_gaps.py /tmp/prof/torch/* 2>&1 | tee "$out/trace-gaps.txt"  # GPU busy vs idle, per mode
+      { python3 bench/trace_gaps.py /tmp/prof/torch/* || true; } 2>&1 | tee "$out/trace-gaps.txt"  # GPU busy vs idle, per mode
       find /tmp/prof/torch -name '*.json*' -delete  # the traces: too large to bring back; the tables stay
       tar czf "$out/profile.tgz" -C /tmp/prof .
     fi

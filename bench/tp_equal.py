@@ -53,7 +53,7 @@ def build(name: str, mdir: Path) -> None:
     (mdir / "config.json").write_text(json.dumps(c, indent=1))
 
 
-def capture(mdir: Path, out: Path, tp: int, prompts: Path, ids: list[int], dtype: str) -> None:
+def capture(mdir: Path, out: Path, tp: int, prompts: Path, ids: list[int], dtype: str, runner: str) -> None:
     cmd = [
         sys.executable,
         "-m",
@@ -78,7 +78,9 @@ def capture(mdir: Path, out: Path, tp: int, prompts: Path, ids: list[int], dtype
         "--no-fsync",
         "--overwrite",
     ]
-    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0", "HSCAPTURE_DEVICE_PATH": "required"}
+    env = {**os.environ, "HSCAPTURE_DEVICE_PATH": "required"}
+    if runner == "v1":  # the V1 runner, where this vLLM still has it; by default the runner vLLM picks
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(
@@ -94,6 +96,9 @@ def main() -> None:
     ap.add_argument("--tol", type=float, default=3e-2)
     ap.add_argument("--out", default="/tmp/tpeq")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the model's dtype in vLLM")
+    ap.add_argument(
+        "--runner", default="default", choices=["default", "v1"], help="vLLM's model runner: its default, or V1"
+    )
     args = ap.parse_args()
     from hscapture import load_sample
     from hscapture.testing.compare import compare
@@ -113,7 +118,7 @@ def main() -> None:
         runs = {}
         for tp in (1, args.tp):
             run_dir = out / f"{name}-{args.dtype}-tp{tp}"
-            capture(mdir, run_dir, tp, pfile, IDS[name], args.dtype)
+            capture(mdir, run_dir, tp, pfile, IDS[name], args.dtype, args.runner)
             runs[tp] = [load_sample(run_dir / "hidden_states" / f"hs_{i}.safetensors") for i in range(args.prompts)]
         import torch
 

@@ -90,6 +90,19 @@ def test_device_equals_cpu_twin_bit_for_bit(in_dtype, out_dtype, residual, ring,
     """The kernel equals its CPU twin through whole sessions; with a ring, the pinned buffers are read on the
     assembler thread while later steps copy into the others; with overlap, a step begins and is launched
     while the previous one's copies are in flight."""
+    equal_to_the_cpu_twin(in_dtype, out_dtype, residual, ring, overlap)
+
+
+@pytest.mark.parametrize("overlap", [1, 2])
+@pytest.mark.parametrize("small", [1, 24])
+def test_small_pinned_buffers_serve_the_steps_they_hold(overlap, small):
+    """With pinned buffers of `small` rows besides the full ones (the decode steps' size), steps of up to `small`
+    rows take those and larger ones the full ones, buffers of both sizes in flight and with the assembler at once:
+    the samples stay the CPU twin's, bit for bit."""
+    equal_to_the_cpu_twin("bfloat16", "bfloat16", True, 2, overlap, small)
+
+
+def equal_to_the_cpu_twin(in_dtype, out_dtype, residual, ring, overlap, small=0):
     steps = make_steps(seed=zlib.crc32(f"{in_dtype}{out_dtype}{residual}".encode()) % 1000)
     gen = torch.Generator().manual_seed(0)
     cache: dict = {}
@@ -117,7 +130,7 @@ def test_device_equals_cpu_twin_bit_for_bit(in_dtype, out_dtype, residual, ring,
     cpu_out, cpu_samples = run(cpu, steps, record, device=False)
     it = iter(seq)
     dev = session()
-    dev.enable_device(torch.cuda.current_device(), 128, max(ring, 1) + int(overlap), overlap)
+    dev.enable_device(torch.cuda.current_device(), 128, max(ring, 1) + int(overlap), overlap, small_rows=small)
     if ring:
         dev.set_background(ring)
     dev_out, dev_samples = run(dev, steps, lambda rows, slot: next(it), device=True)

@@ -17,8 +17,8 @@ class Session:
     def __init__(self):
         self.calls = []
 
-    def enable_device(self, ordinal, rows, ring, overlap, fp8):
-        self.calls.append((ordinal, rows, ring, overlap, fp8))
+    def enable_device(self, ordinal, rows, ring, overlap, fp8, small_rows=0):
+        self.calls.append((ordinal, rows, ring, overlap, fp8, small_rows))
         return "compute_90"
 
 
@@ -78,3 +78,25 @@ def test_a_writer_without_out_or_store_says_nothing_is_written(caplog, writer, o
     caplog.set_level("WARNING", logger="hscapture")
     warn_if_nothing_is_written(writer, CaptureConfig(layers=(1,), convention="after", out=out), store)
     assert ("nothing is written to disk" in caplog.text) is warned
+
+
+@pytest.mark.parametrize(
+    "seqs,spec,small",
+    [
+        (256, None, 256),
+        (1024, NS(num_speculative_tokens=3), 4096),
+        (8, NS(num_speculative_tokens=None), 8),
+        (None, None, 0),
+    ],
+)
+def test_decode_steps_get_pinned_buffers_of_their_own_size(monkeypatch, seqs, spec, small):
+    """A decode step's rows (max_num_seqs × (1 + speculative tokens)) size the small pinned buffers, so that decode
+    steps do not wait for the full ones the assembler still reads after a prompt step."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda_libs, "preload_nvrtc", lambda: None)
+    session = Session()
+    sched = NS(max_num_batched_tokens=8192, max_num_seqs=seqs)
+    vc = NS(device_config=NS(device_type="cuda"), scheduler_config=sched, speculative_config=spec)
+    wiring.enable_device(session, CaptureConfig(layers=(1,), convention="after"), False, vc)
+    assert session.calls[0][1] == 8192 and session.calls[0][5] == small

@@ -38,9 +38,9 @@ pub trait DeviceBackend: Send + Sync {
     fn capacity(&self) -> usize;
     /// Bytes of device memory and of pinned host memory held.
     fn allocated(&self) -> (usize, usize);
-    /// Host buffers free for a step's copies.
-    fn free_host(&self) -> usize;
-    /// Host buffers in the ring.
+    /// Host buffers free for the copies of a step of `rows` rows per slot (buffers come in sizes).
+    fn free_host(&self, rows: usize) -> usize;
+    /// Host buffers that hold a step of `capacity` rows (the ring's large ones; smaller ones serve smaller steps).
     fn ring(&self) -> usize;
     /// Whether the device quantizes each step to fp8 (its host buffers hold codes and per-row scales).
     fn quantizes(&self) -> bool {

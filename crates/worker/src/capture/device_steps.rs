@@ -63,9 +63,9 @@ impl DeviceSteps {
         self.backend.allocated()
     }
 
-    /// Host buffers free for the next step's copies.
-    pub fn free_host(&self) -> usize {
-        self.backend.free_host()
+    /// Host buffers free for the copies of a step of `rows` rows.
+    pub fn free_host(&self, rows: usize) -> usize {
+        self.backend.free_host(rows)
     }
 
     /// Arms a planned step of `rows` rows per slot on the device (see [`DeviceBackend::arm`]).

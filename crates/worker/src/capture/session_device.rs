@@ -94,10 +94,11 @@ impl Session {
         if rows == 0 {
             return Ok(());
         }
-        // Every free pinned buffer is with the assembler thread: wait for one (none free and none out is the
-        // device's error to report, in `arm`).
+        // Every pinned buffer large enough for this step is with the assembler thread: wait for one (none free and
+        // none out is the device's error to report, in `arm`; buffers in flight are never all the large ones, as
+        // each size class has more buffers than steps kept in flight).
         let t = std::time::Instant::now();
-        while self.buffers.pinned_out() > 0 && dev.free_host() == 0 {
+        while self.buffers.pinned_out() > 0 && dev.free_host(rows) == 0 {
             self.buffers.reclaim(true, Some(dev))?;
         }
         self.accounting.stats.wait_ring_ns += u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);

@@ -207,11 +207,14 @@ impl CaptureSession {
 
     /// Captures CUDA tensors on device `ordinal` from now on: compiles the capture kernel (NVRTC) and
     /// allocates the fixed device arena of `capacity_rows` rows per layer and `host_ring` pinned host
-    /// buffers. `overlap`: ended steps kept in flight (0, 1 or 2; a bool is 0 or 1), their copies running while the
-    /// next forwards do (needs `host_ring` > `overlap`; the arena then has two halves). With `fp8`, each step is
-    /// quantized on the device (the fp8 format's codes and scales cross PCIe). Returns the architecture the kernel
-    /// was built for.
-    #[pyo3(signature = (ordinal, capacity_rows, host_ring=2, overlap=1, fp8=false))]
+    /// buffers of that size, and as many of `small_rows` rows when it is below `capacity_rows` (0: none): a step
+    /// takes the smallest free one that holds its rows, so that decode steps do not wait for the large ones the
+    /// assembler thread still reads. `overlap`: ended steps kept in flight (0, 1 or 2; a bool is 0 or 1), their
+    /// copies running while the next forwards do (needs `host_ring` > `overlap`; the arena then has two halves).
+    /// With `fp8`, each step is quantized on the device (the fp8 format's codes and scales cross PCIe). Returns the
+    /// architecture the kernel was built for.
+    #[pyo3(signature = (ordinal, capacity_rows, host_ring=2, overlap=1, fp8=false, small_rows=0))]
+    #[allow(clippy::too_many_arguments)]
     fn enable_device(
         &mut self,
         py: Python<'_>,
@@ -220,11 +223,12 @@ impl CaptureSession {
         host_ring: usize,
         overlap: usize,
         fp8: bool,
+        small_rows: usize,
     ) -> PyResult<String> {
         guard("enable_device", || {
             let (slots, width, dtype) = self.inner.geometry();
             let halves = if overlap == 0 { 1 } else { 2 };
-            let dev = py.detach(|| CudaDevice::new(ordinal, slots, width, dtype, capacity_rows, halves, host_ring, fp8))?;
+            let dev = py.detach(|| CudaDevice::new(ordinal, slots, width, dtype, capacity_rows, halves, host_ring, small_rows, fp8))?;
             let arch = dev.arch().to_string();
             self.inner.set_device(Box::new(dev), overlap)?;
             Ok(arch)

@@ -180,7 +180,8 @@ def enable_device(session: Any, cfg: CaptureConfig, writer: bool, vc: Any) -> De
         # fp8 files from the device path: quantized on the GPU after each step's last layer (codes and scales cross
         # PCIe), on the rank that writes them.
         fp8 = bool(writer and cfg.format == "fp8" and cfg.out and envs.get("HSCAPTURE_FP8_ON_DEVICE"))
-        arch = session.enable_device(torch.cuda.current_device(), rows, ring, overlap, fp8)
+        small = decode_rows(vc)
+        arch = session.enable_device(torch.cuda.current_device(), rows, ring, overlap, fp8, small)
     except HscaptureError as e:
         if mode == "required":
             raise
@@ -188,17 +189,29 @@ def enable_device(session: Any, cfg: CaptureConfig, writer: bool, vc: Any) -> De
         return DevicePath("host")
     log.info(
         "hscapture: CUDA capture kernel built for %s; device arena %.1f MiB for %d rows%s; %d pinned host "
-        "buffer(s), assembly %s, steps %s%s",
+        "buffer(s)%s, assembly %s, steps %s%s",
         arch,
         session.device_bytes / 2**20,
         rows,
         " in two halves" if overlap else "",
         ring,
+        f" and {ring} of {small} rows for decode steps" if 0 < small < rows else "",
         "on the assembler thread" if session.background else "inline",
         f"{overlap} in flight" if overlap else "collected when the next begins",
         ", fp8 quantized on the device" if fp8 else "",
     )
     return DevicePath("device", overlap, fp8)
+
+
+def decode_rows(vc: Any) -> int:
+    """Rows per layer of the largest decode step: each running request's next token and its speculative ones
+    (``max_num_seqs`` × (1 + ``num_speculative_tokens``)). The device path keeps pinned buffers of that size besides
+    the full ones (``max_num_batched_tokens`` rows), so that a decode step never waits for a full one the assembler
+    still reads after a prompt step. 0 (none) where vLLM's config does not say."""
+    seqs = int(getattr(vc.scheduler_config, "max_num_seqs", 0) or 0)
+    spec = getattr(vc, "speculative_config", None)
+    k = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+    return seqs * (1 + k)
 
 
 def warn_if_nothing_is_written(writer: bool, cfg: CaptureConfig, store: Any) -> None:

@@ -77,8 +77,9 @@ pub struct CudaDevice {
 
 impl CudaDevice {
     /// Loads the kernel on `ordinal`, allocates the arena for `capacity` rows per slot in `halves` halves (2 when steps
-    /// overlap) and `ring` pinned host buffers; with `quantize`, the fp8 codes and scales, and host buffers that hold
-    /// those.
+    /// overlap) and `ring` pinned host buffers of `capacity` rows, and as many of `small_rows` rows when that is
+    /// between 0 and `capacity` (decode steps take those: `host_pool.rs`); with `quantize`, the fp8 codes and
+    /// scales, and host buffers that hold those.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         ordinal: i32,
@@ -88,6 +89,7 @@ impl CudaDevice {
         capacity: usize,
         halves: usize,
         ring: usize,
+        small_rows: usize,
         quantize: bool,
     ) -> CoreResult<CudaDevice> {
         ensure!(
@@ -130,7 +132,8 @@ impl CudaDevice {
         })
         .map_err(kerr)?;
         let host_row_bytes = if quantize { width } else { row_bytes };
-        let ring = HostRing::new(&ctx, ring, slots, capacity, host_row_bytes, quantize)?;
+        let small = if small_rows < capacity { ring } else { 0 };
+        let ring = HostRing::new(&ctx, &[(ring, capacity), (small, small_rows)], slots, host_row_bytes, quantize)?;
         Ok(CudaDevice {
             kernel,
             arena,
@@ -187,22 +190,22 @@ impl DeviceBackend for CudaDevice {
     }
 
     fn allocated(&self) -> (usize, usize) {
-        let ArmedLayout { slots, capacity: cap, width, .. } = self.arena.layout;
-        let n = slots * cap;
-        let (host_row, scales) = if self.quantize { (width, cap * 4) } else { (self.arena.row_bytes(), 0) };
-        (self.arena.bytes(), self.ring.len() * (n * (host_row + 12) + scales + slots * STAMP_WORDS * 4))
+        let ArmedLayout { slots, width, .. } = self.arena.layout;
+        let host_row = if self.quantize { width } else { self.arena.row_bytes() };
+        let buf = |cap: usize| slots * cap * (host_row + 12) + if self.quantize { cap * 4 } else { 0 } + slots * STAMP_WORDS * 4;
+        (self.arena.bytes(), self.ring.capacities().map(buf).sum())
     }
 
     fn quantizes(&self) -> bool {
         self.quantize
     }
 
-    fn free_host(&self) -> usize {
-        self.ring.available()
+    fn free_host(&self, rows: usize) -> usize {
+        self.ring.available(rows)
     }
 
     fn ring(&self) -> usize {
-        self.ring.len()
+        self.ring.capacities().filter(|&c| c >= self.arena.layout.capacity).count()
     }
 
     fn arm(&mut self, arm: u32, rows: usize, runs: &[RowRun], stream: u64) -> CoreResult<()> {
@@ -226,7 +229,7 @@ impl DeviceBackend for CudaDevice {
                 self.src_rows[r.dst_row + k] = (r.src_row + k) as i32;
             }
         }
-        self.ring.take()?;
+        self.ring.take(rows)?;
         self.kernel.bind().map_err(kerr)?;
         // SAFETY: `stream` is the caller's current stream on this device (the trait's contract).
         let s = unsafe { self.borrow(stream) };

@@ -1,18 +1,19 @@
-//! The pinned host side of the device path: a ring of host buffers the copy stream fills, one step each.
+//! The pinned host side of the device path: a ring of host buffers the copy stream fills, one step each, in size
+//! classes (a step takes the smallest free buffer that holds its rows: `host_pool.rs`).
 //!
 //! A buffer is taken for a step (`take`), filled by that step's copies, queued in flight (`end`), handed out once
 //! its copies are done (`wait_oldest`, as a [`CudaPinnedStep`] that shares it) and given back (`recycle`). The
 //! copies of a later step go into a buffer only through [`HostRing::current_mut`], which refuses one that a
 //! handed-out step still shares: no copy can write rows the assembler thread reads.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DeviceRepr, DriverError, PinnedHostSlice};
 
 use crate::capture::device::PinnedStep;
+use crate::capture::host_pool::HostPool;
 use crate::capture::rows::{SlotRows, StepRows};
-use crate::{bail, core_err, ensure, error::CoreResult};
+use crate::{bail, core_err, error::CoreResult};
 use hscapture_kernels::armed::STAMP_WORDS;
 use hscapture_kernels::Stamp;
 
@@ -90,59 +91,42 @@ pub struct HostRing {
     bufs: Vec<Arc<HostBuf>>,
     /// Per buffer: recorded on the copy stream after the copies of the step it holds.
     copies_done: Vec<CudaEvent>,
-    free: Vec<usize>,
-    /// The buffer of the step being captured (taken by `take`, queued by `end`).
-    cur: Option<usize>,
-    /// Buffers of steps ended and not yet collected, oldest first.
-    flight: VecDeque<usize>,
+    /// Which buffer is where, by size class (`host_pool.rs`).
+    pool: HostPool,
 }
 
 impl HostRing {
-    pub fn new(
-        ctx: &Arc<CudaContext>,
-        ring: usize,
-        slots: usize,
-        capacity: usize,
-        row_bytes: usize,
-        quantize: bool,
-    ) -> CoreResult<HostRing> {
-        let mut r = HostRing {
-            bufs: Vec::with_capacity(ring),
-            copies_done: Vec::with_capacity(ring),
-            free: (0..ring).rev().collect(),
-            cur: None,
-            flight: VecDeque::with_capacity(ring),
-        };
-        for _ in 0..ring {
-            r.bufs.push(Arc::new(HostBuf::new(ctx, slots, capacity, row_bytes, quantize).map_err(|e| cuda_err("cuMemHostAlloc", e))?));
+    /// `classes`: (buffers, rows per slot) per size class (`HostPool::new`).
+    pub fn new(ctx: &Arc<CudaContext>, classes: &[(usize, usize)], slots: usize, row_bytes: usize, quantize: bool) -> CoreResult<HostRing> {
+        let pool = HostPool::new(classes)?;
+        let mut r = HostRing { bufs: Vec::with_capacity(pool.len()), copies_done: Vec::with_capacity(pool.len()), pool };
+        for i in 0..r.pool.len() {
+            let cap = r.pool.capacity(i);
+            r.bufs.push(Arc::new(HostBuf::new(ctx, slots, cap, row_bytes, quantize).map_err(|e| cuda_err("cuMemHostAlloc", e))?));
             r.copies_done.push(ctx.new_event(None).map_err(|e| cuda_err("cuEventCreate", e))?);
         }
         Ok(r)
     }
 
-    pub fn len(&self) -> usize {
-        self.bufs.len()
+    /// Rows per slot of each buffer.
+    pub fn capacities(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.pool.len()).map(|i| self.pool.capacity(i))
     }
 
-    /// Buffers a step can take now.
-    pub fn available(&self) -> usize {
-        self.free.len() + usize::from(self.cur.is_some())
+    /// Buffers a step of `rows` rows can take now.
+    pub fn available(&self, rows: usize) -> usize {
+        self.pool.available(rows)
     }
 
-    /// A buffer for the step being captured (a step abandoned before `end` left its buffer; it is reused as is).
-    pub fn take(&mut self) -> CoreResult<()> {
-        if self.cur.is_none() {
-            let Some(i) = self.free.pop() else {
-                bail!(Compatibility, "no free host buffer of the {} in the ring: the session must return one first", self.bufs.len());
-            };
-            self.cur = Some(i);
-        }
-        Ok(())
+    /// A buffer for the step being captured, of `rows` rows (a step abandoned before `end` left its buffer; it is
+    /// reused if it holds them).
+    pub fn take(&mut self, rows: usize) -> CoreResult<()> {
+        self.pool.take(rows).map(|_| ())
     }
 
     /// The current step's buffer, to copy into: refused while a handed-out step still shares it.
     pub fn current_mut(&mut self) -> CoreResult<&mut HostBuf> {
-        let Some(i) = self.cur else {
+        let Some(i) = self.pool.current() else {
             bail!(Compatibility, "a device step copied before it was reset");
         };
         Arc::get_mut(&mut self.bufs[i])
@@ -151,26 +135,23 @@ impl HostRing {
 
     /// Ends the current step: its copies (enqueued on `copy`) are marked, the buffer is in flight.
     pub fn end(&mut self, copy: &CudaStream) -> CoreResult<()> {
-        let Some(i) = self.cur else {
+        let Some(i) = self.pool.current() else {
             bail!(Compatibility, "a device step ended before it was reset");
         };
         self.copies_done[i].record(copy).map_err(|e| cuda_err("cuEventRecord", e))?;
-        self.cur = None;
-        self.flight.push_back(i);
+        self.pool.end()?;
         Ok(())
     }
 
     /// Waits for the copies of the oldest step in flight and hands its buffer out. The step leaves the queue whatever
     /// happens (the session's queue of pending steps stays paired with it); on failure its buffer goes back unread.
     pub fn wait_oldest(&mut self) -> CoreResult<CudaPinnedStep> {
-        let Some(i) = self.flight.pop_front() else {
-            bail!(Compatibility, "no device step to collect: `end_step` was not called");
-        };
+        let i = self.pool.pop_oldest()?;
         // Most often done already (two steps in flight): then no section, so nothing is let go of.
         let done = &self.copies_done[i];
         let waited = if done.is_complete() { Ok(()) } else { crate::blocking::section(|| done.synchronize()) };
         if let Err(e) = waited {
-            self.free.push(i);
+            self.pool.give_back(i)?;
             return Err(cuda_err("cuEventSynchronize", e));
         }
         Ok(CudaPinnedStep { ring_slot: i, buf: Arc::clone(&self.bufs[i]) })
@@ -180,13 +161,6 @@ impl HostRing {
     pub fn recycle(&mut self, step: Box<dyn PinnedStep>) -> CoreResult<()> {
         let i = step.ring_slot();
         drop(step);
-        ensure!(
-            i < self.bufs.len() && !self.free.contains(&i) && self.cur != Some(i) && !self.flight.contains(&i),
-            Compatibility,
-            "host buffer {i} given back twice or unknown (ring of {})",
-            self.bufs.len()
-        );
-        self.free.push(i);
-        Ok(())
+        self.pool.give_back(i)
     }
 }

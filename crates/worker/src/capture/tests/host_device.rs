@@ -3,6 +3,7 @@
 
 use super::tests::H;
 use crate::capture::device::{DeviceBackend, PinnedStep};
+use crate::capture::host_pool::HostPool;
 use crate::capture::rows::StepRows;
 use crate::capture::tensor::{Device, TensorDesc};
 use crate::error::CoreResult;
@@ -25,9 +26,8 @@ pub(crate) struct HostDevice {
     armed: Option<(usize, usize)>,
     /// The ring: None while a buffer is handed out.
     hosts: Vec<Option<HostBuf>>,
-    cur: Option<usize>,
-    /// Buffers of ended steps not yet collected, oldest first.
-    flight: std::collections::VecDeque<usize>,
+    /// Which buffer is where, by size (as the CUDA ring's).
+    pool: HostPool,
     pub(crate) waits: usize,
     /// Launches so far, armed or not.
     pub(crate) launches: usize,
@@ -37,6 +37,12 @@ pub(crate) struct HostDevice {
 
 impl HostDevice {
     pub(crate) fn new(slots: usize, cap: usize, ring: usize) -> HostDevice {
+        HostDevice::with_small(slots, cap, ring, 0)
+    }
+
+    /// As `new`, with `ring` more host buffers of `small` rows (as the CUDA path's `small_rows`).
+    pub(crate) fn with_small(slots: usize, cap: usize, ring: usize, small: usize) -> HostDevice {
+        let pool = HostPool::new(&[(ring, cap), (if small < cap { ring } else { 0 }, small)]).expect("a ring");
         let layout = ArmedLayout { slots, capacity: cap, width: H, halves: 2 };
         let rows = layout.stat_row(2, 0, 0);
         HostDevice {
@@ -49,9 +55,8 @@ impl HostDevice {
             stamps: vec![0; layout.stamp_at(2, 0)],
             next_half: 0,
             armed: None,
-            hosts: (0..ring).map(|i| Some(HostBuf::empty(i))).collect(),
-            cur: None,
-            flight: std::collections::VecDeque::new(),
+            hosts: (0..pool.len()).map(|i| Some(HostBuf::empty(i))).collect(),
+            pool,
             waits: 0,
             launches: 0,
             quantize: false,
@@ -119,24 +124,19 @@ impl DeviceBackend for HostDevice {
     fn allocated(&self) -> (usize, usize) {
         (self.data.len() + self.sums.len() * 12, self.hosts.len() * self.layout.slots * self.layout.capacity * (H * 4 + 12))
     }
-    fn free_host(&self) -> usize {
-        self.hosts.iter().enumerate().filter(|(i, h)| h.is_some() && !self.flight.contains(i)).count()
+    fn free_host(&self, rows: usize) -> usize {
+        self.pool.available(rows)
     }
     fn ring(&self) -> usize {
-        self.hosts.len()
+        (0..self.pool.len()).filter(|&i| self.pool.capacity(i) >= self.layout.capacity).count()
     }
     fn quantizes(&self) -> bool {
         self.quantize
     }
     fn arm(&mut self, arm: u32, rows: usize, runs: &[RowRun], _stream: u64) -> CoreResult<()> {
         assert!(self.armed.is_none(), "armed twice");
-        if self.cur.is_none() {
-            let free = (0..self.hosts.len()).find(|i| self.hosts[*i].is_some() && !self.flight.contains(i));
-            let Some(i) = free else {
-                crate::bail!(Compatibility, "no free host buffer");
-            };
-            self.cur = Some(i);
-        }
+        let i = self.pool.take(rows)?;
+        assert!(self.hosts[i].is_some(), "buffer {i} taken while handed out");
         for r in runs {
             for k in 0..r.len {
                 self.src[r.dst_row + k] = (r.src_row + k) as i32;
@@ -185,9 +185,12 @@ impl DeviceBackend for HostDevice {
     fn end_step(&mut self) -> CoreResult<()> {
         let (half, n) = self.armed.take().expect("end_step without arm");
         self.ctl = Control::DISARMED;
-        let i = self.cur.take().expect("a host buffer");
-        let (slots, cap) = (self.layout.slots, self.layout.capacity);
-        let mut host = HostBuf { slot: i, cap, ..Default::default() };
+        let i = self.pool.end()?;
+        let slots = self.layout.slots;
+        // Like a pinned buffer of the ring: its size class's rows (the step's own are copied below).
+        let (cap, room) = (self.layout.capacity, self.pool.capacity(i));
+        assert!(n <= room, "a step of {n} rows in a host buffer of {room}");
+        let mut host = HostBuf { slot: i, cap: room, ..Default::default() };
         for s in 0..slots {
             let (d0, st0) = (half * slots * cap + s * cap, self.layout.stat_row(half, s, 0));
             host.data.push(self.data[d0 * H * 4..(d0 + n) * H * 4].to_vec());
@@ -206,27 +209,27 @@ impl DeviceBackend for HostDevice {
             }
             let (mut q, mut scales) = (vec![0u8; n * slots * w], vec![0f32; n]);
             hscapture_kernels::fp8::quantize(&rows, DType::F32, n, slots * w, &mut q, &mut scales);
-            let mut codes = vec![0u8; slots * cap * w];
+            let mut codes = vec![0u8; slots * room * w];
             for r in 0..n {
                 for s in 0..slots {
-                    let at = (s * cap + r) * w;
+                    let at = (s * room + r) * w;
                     codes[at..at + w].copy_from_slice(&q[(r * slots + s) * w..(r * slots + s + 1) * w]);
                 }
             }
             host.codes = Some((codes, scales));
         }
         self.hosts[i] = Some(host);
-        self.flight.push_back(i);
         Ok(())
     }
     fn wait(&mut self) -> CoreResult<Box<dyn PinnedStep>> {
         self.waits += 1;
-        let i = self.flight.pop_front().expect("wait without a step in flight");
+        let i = self.pool.pop_oldest()?;
         Ok(Box::new(self.hosts[i].take().expect("the buffer is not handed out twice")))
     }
     fn recycle(&mut self, buf: Box<dyn PinnedStep>) -> CoreResult<()> {
         let i = buf.ring_slot();
         assert!(self.hosts[i].is_none(), "buffer {i} given back twice");
+        self.pool.give_back(i)?;
         self.hosts[i] = Some(HostBuf::empty(i));
         Ok(())
     }

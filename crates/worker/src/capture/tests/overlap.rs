@@ -37,14 +37,24 @@ fn overlapped_steps_give_the_host_paths_samples_and_checksums() {
     // Inline: 2 buffers (one in flight, one filling). Background: the assembler's ring plus the one
     // in flight, and the tightest ring (2), where the worker waits for the assembler every step.
     // Two steps in flight: a ring of 3 inline, the assembler's 2 plus 2 in the background.
-    for (ring, background, in_flight) in [(2usize, false, 1usize), (3, true, 1), (2, true, 1), (3, false, 2), (4, true, 2)] {
+    // With small buffers (8 rows) besides: steps of up to 8 rows take those, the larger ones the full ones.
+    let cases = [
+        (2usize, false, 1usize, 0usize),
+        (3, true, 1, 0),
+        (2, true, 1, 0),
+        (3, false, 2, 0),
+        (4, true, 2, 0),
+        (4, true, 2, 8),
+        (2, false, 1, 8),
+    ];
+    for (ring, background, in_flight, small) in cases {
         let mut s = session(&[5, 1], true);
-        s.set_device(Box::new(HostDevice::new(2, 64, ring)), in_flight).unwrap();
+        s.set_device(Box::new(HostDevice::with_small(2, 64, ring, small)), in_flight).unwrap();
         if background {
             s.set_background(2).unwrap();
         }
         let (got, sums) = chunked_run(&mut s, 12, true);
-        let case = format!("ring {ring}, background {background}, {in_flight} in flight");
+        let case = format!("ring {ring}, background {background}, {in_flight} in flight, small buffers of {small} rows");
         assert_eq!(got, want, "{case}: same samples byte for byte");
         assert_eq!(sums, want_sums, "{case}: same checksums, in step order");
     }
@@ -164,4 +174,36 @@ fn with_two_steps_in_flight_a_step_is_accounted_two_steps_later() {
     assert_eq!(rest[1].completed.len(), 1, "the prompt completes with its last step");
     let e = session(&[1], true).set_device(Box::new(HostDevice::new(1, 64, 2)), 2).unwrap_err();
     assert!(e.message.contains("at least 3 host buffers"), "{e}");
+}
+
+#[test]
+fn a_small_step_takes_a_small_buffer_while_the_assembler_holds_the_large_ones() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let mut s = session(&[1], true);
+    // As the worker sets it up: the assembler's 2 + 1 in flight large buffers, as many of 4 rows.
+    s.set_device(Box::new(HostDevice::with_small(1, 64, 3, 4)), 1).unwrap();
+    s.set_background(2).unwrap();
+    let hold = s.hold_assembler_for_test();
+    // Three prompt steps of 9 rows: two go to the held assembler, one is in flight; no large buffer is free.
+    for (k, id) in ["a", "b", "c"].into_iter().enumerate() {
+        step(&mut s, input(vec![req(id, 9, k as u64)], vec![], &[(id, 9)]), &[id], &[1], true);
+    }
+    let released = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&released);
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_secs(3));
+        flag.store(true, Ordering::SeqCst);
+        drop(hold);
+    });
+    // A step of 3 rows (a decode step's size) takes a small buffer: it does not wait for the assembler.
+    step(&mut s, input(vec![req("d", 3, 3)], vec![], &[("d", 3)]), &["d"], &[1], true);
+    assert!(!released.load(Ordering::SeqCst), "the small step waited for the assembler to give back a large buffer");
+    release.join().unwrap();
+    let mut done: Vec<Sample> = s.flush().unwrap().into_iter().flat_map(|o| o.completed).collect();
+    done.extend(s.take_ready(true).unwrap());
+    done.sort_by_key(|x| x.key.to_string());
+    let got: Vec<(String, usize)> = done.iter().map(|x| (x.key.to_string(), x.rows)).collect();
+    let want = [("sample 0", 9), ("sample 1", 9), ("sample 2", 9), ("sample 3", 3)];
+    assert_eq!(got, want.map(|(k, n)| (k.to_string(), n)));
 }

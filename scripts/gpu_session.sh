@@ -94,11 +94,13 @@ case "$what" in
     fi
     if [[ ",$parts," == *",profile,"* ]]; then  # why decode under graphs is slower: bisecting modes, stacks, kernels
       rm -rf /tmp/prof && mkdir -p /tmp/prof/stacks /tmp/prof/torch
-      HSBENCH_PROFILE=/tmp/prof/stacks HSBENCH_TORCH_PROFILE=/tmp/prof/torch PYTHONPATH=$PWD/bench/profile:$PYTHONPATH \
+      # TORCH_PROFILE=0: the stacks alone (the torch profiler's export would dominate them)
+      tp=/tmp/prof/torch; [[ "${TORCH_PROFILE:-1}" == 0 ]] && tp=
+      HSBENCH_PROFILE=/tmp/prof/stacks HSBENCH_TORCH_PROFILE=$tp PYTHONPATH=$PWD/bench/profile:$PYTHONPATH \
         timeout "${PROFILE_LIMIT_S:-530}" python3 bench/gpu.py --models "${MODELS:-llama8b}" \
         --modes "${MODES:-plain_graphs,hscapture_graphs,hscapture_prompt_graphs,hscapture_offline_graphs}" \
         --prompts "${PROMPTS:-256}" --batch 64 --length 512 --decode 128 --rounds "${ROUNDS:-1}" 2>&1 | tee "$out/profile-bench.log" || true
-      { python3 bench/trace_gaps.py /tmp/prof/torch/* || true; } 2>&1 | tee "$out/trace-gaps.txt"  # GPU busy vs idle, per mode
+      [[ -z "$tp" ]] || { python3 bench/trace_gaps.py /tmp/prof/torch/* || true; } 2>&1 | tee "$out/trace-gaps.txt"  # GPU busy vs idle
       find /tmp/prof/torch -name '*.json*' -delete  # the traces: too large to bring back; the tables stay
       tar czf "$out/profile.tgz" -C /tmp/prof .
     fi
@@ -115,7 +117,8 @@ case "$what" in
       mkdir -p "$disk" && df -hT "$disk" /tmp | tee -a "$out/serve.log"
       timeout "${SERVE_LIMIT_S:-570}" python3 bench/serve.py --models "${MODELS:-llama8b,dsv3}" \
         --modes "${SERVE_MODES:-plain,hscapture-file,hscapture-fp8,vllm-file,vllm-fp8,offline}" --samples "${SAMPLES:-512}" \
-        --length 1024 --concurrency 32 --decode "${DECODE:-128}" --out "$disk" 2>&1 | tee -a "$out/serve.log"
+        --length 1024 --concurrency 32 --decode "${DECODE:-128}" --out "$disk" 2>&1 | tee -a "$out/serve.log" || true
+      # (|| true above: a run the limit cut off must still leave its servers' logs, set -e would stop here)
       pkill -f "vllm.entrypoints.cli.main serve" || true  # a server the limit cut off (its own session) holds the GPU
       (cd "$disk" && tar czf "$out/serve-logs.tgz" ./*.log) || true
     fi

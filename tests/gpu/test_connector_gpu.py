@@ -162,6 +162,7 @@ def test_connector_files_equal_the_offline_capture(tmp_path, offline, fmt, env):
         codes_all += codes.numel()
         got.append(t["hidden_states"].to(torch.float32) * t["hidden_states_scales"].to(torch.float32))
         ref.append(codes.to(torch.float32) * scales.float())
+        _within_the_fp8_step(i, got[-1], want[i], t["hidden_states_scales"])
     # Two engines compile the model separately (the connector is part of vLLM's compile-cache key), and Inductor's
     # autotuned reductions may sum in another order: float32 noise, not a wrong row (a row of another token or step
     # is off by its whole norm). Bit-equal samples are counted, not required.
@@ -172,9 +173,20 @@ def test_connector_files_equal_the_offline_capture(tmp_path, offline, fmt, env):
     )
     if q is None:
         assert cmp.ok(1e-4), f"worst relative error {cmp.worst:.2e} at (sample, token, layer) {cmp.where}"
-    else:
-        assert cmp.ok(2e-2), f"worst relative error {cmp.worst:.2e} at (sample, token, layer) {cmp.where}"
+    else:  # each value was held to the fp8 step above; a code flipped by the noise may move a row's norm by more
         assert codes_same >= 0.999 * codes_all, f"only {codes_same}/{codes_all} fp8 codes equal speculators' quantizer"
+
+
+def _within_the_fp8_step(k: int, deq: torch.Tensor, states: torch.Tensor, scales: torch.Tensor) -> None:
+    """Each dequantized value within the fp8 step of the float32 state it stands for: half an e4m3 ulp (2^-4
+    relative) or of the scale's denormals, plus the float32 noise between two engines compiled apart (1e-4 of the
+    row's norm, what the ``file`` variant holds). A code the noise moved across a rounding boundary stays inside; a
+    row of another token or step, or a wrong scale, is off by about its own size."""
+    states = states.float()
+    noise = 1e-4 * torch.linalg.vector_norm(states, dim=-1, keepdim=True)
+    bound = states.abs() * (2**-4 + 2**-7) + scales.float() * 2**-9 + noise
+    over = (deq - states).abs() > bound
+    assert not bool(over.any()), f"sample {k}: {int(over.sum())} values beyond the fp8 step of the offline states"
 
 
 def test_connector_with_shared_steps_answers_every_request_in_time(tmp_path, offline):
@@ -191,10 +203,11 @@ def test_connector_with_shared_steps_answers_every_request_in_time(tmp_path, off
         t = load_file(keep / f"{i}.safetensors")
         assert t["token_ids"].tolist() == p, f"prompt {i}: token ids"
         got.append(t["hidden_states"].to(torch.float32) * t["hidden_states_scales"].to(torch.float32))
+        _within_the_fp8_step(i, got[-1], want[i], t["hidden_states_scales"])
     q = _fp8_utils()
     ref = [c.to(torch.float32) * s for c, s in (q.quantize_tensor_to_fp8(w) for w in want)]
     cmp = compare(got, ref)  # the states differ by float32 noise, so a rare code lands one e4m3 step away
-    assert cmp.ok(2e-2), f"worst relative error {cmp.worst:.2e} at {cmp.where}"
+    print(f"CONNECTOR_SHARED_STEPS fp8: worst relative error {cmp.worst:.2e} at {cmp.where}")
 
 
 _TOKENS = r"""

@@ -168,7 +168,9 @@ REGISTRY: dict[str, EnvVar] = {
             "int",
             "2",
             "Step buffers of background assembly (at least 2), each one step's rows of host memory; more absorbs "
-            "bursts of slow assembly.",
+            "bursts of slow assembly. On the CUDA path the pinned buffers are this many plus the steps in flight, "
+            "each for a whole step, and as many again for a decode step's rows (max_num_seqs × (1 + speculative "
+            "tokens)): a step takes the smallest free one that holds it.",
         ),
         EnvVar(
             "HSCAPTURE_BASE_WORKER",

@@ -91,6 +91,19 @@ def test_drivers_without_metadata_get_one_tensor_per_layer_in_admission_order():
     assert got[0][:, 0].tolist() == [2.0, 3.0, 4.0, 0.0, 1.0, 1.0, 2.0, 3.0]
 
 
+def test_a_capture_that_writes_its_samples_keeps_no_admission_order(tmp_path):
+    """A server writes every sample and hands none to a driver: the ids of the requests it admitted are not kept (they
+    would grow for as long as it runs); a capture that keeps its samples for a driver keeps them."""
+    writes, keeps = Worker(out=str(tmp_path / "out")), Worker()
+    for w in (writes, keeps):
+        for k in range(50):
+            rid = f"r{k}"
+            w.step(sched(new=[new_req(rid, [1, 2, 3], None)], n={rid: 3}), [rid])
+    assert writes._hscapture.rpc.admitted == [] and not writes._hscapture.rpc._admitted_set
+    assert keeps._hscapture.rpc.admitted == [f"r{k}" for k in range(50)]
+    writes._hscapture.close()
+
+
 def test_metadata_that_disagrees_with_the_scheduler_is_refused():
     w = Worker()
     w._reset_capture()

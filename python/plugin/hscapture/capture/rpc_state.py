@@ -22,13 +22,20 @@ class RpcState:
     driver slices the concatenated states back in that order), and the shape of the answer."""
 
     def __init__(self, cap: Any) -> None:
+        from ..adapters.requested import destination
+
         self.cap = cap
         self.expected: dict[str, int] | None = None
         self.metadata_seen = False
+        # Only a capture that keeps its samples for a driver has anything to hand out in admission order; a server's
+        # (files, a store) would keep every request id it ever admitted, for as long as it runs.
+        self.keeps_order = destination(cap.cfg)["kind"] == "memory"
         self.admitted: list[str] = []
         self._admitted_set: set[str] = set()
 
     def admit(self, scheduler_output: Any) -> None:
+        if not self.keeps_order:
+            return
         for r in scheduler_output.scheduled_new_reqs:
             if r.req_id not in self._admitted_set:
                 self._admitted_set.add(r.req_id)

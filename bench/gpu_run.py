@@ -78,6 +78,12 @@ if __name__ == "__main__":
     tp = int(sys.argv[9]) if len(sys.argv) > 9 else 1
     decode = int(sys.argv[10]) if len(sys.argv) > 10 else 0
     n_prompts, batch, length = int(n_prompts), int(batch), int(length)
+    if os.environ.get("HSBENCH_CPUS"):  # e.g. "0-7": every mode's process (and the engine's) on the same cores
+        cpus = set()
+        for part in os.environ["HSBENCH_CPUS"].split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        os.sched_setaffinity(0, cpus)  # inherited by the engine process vLLM spawns
     ids = [int(x) for x in layers.split(",")]
     import random
 
@@ -125,6 +131,8 @@ if __name__ == "__main__":
 
         kw["worker_cls"] = "hscapture.worker.CaptureWorker"
         kw["additional_config"] = {"hscapture": {"layers": ids, "convention": "after"}}
+        if os.environ.get("HSBENCH_WRITERS"):  # do the writer's threads cost the engine thread its cores?
+            kw["additional_config"]["hscapture"]["writer_threads"] = int(os.environ["HSBENCH_WRITERS"])
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="HscaptureConnector",
             kv_connector_module_path="hscapture.connector",

@@ -17,7 +17,8 @@
 # graphs = prefill under vLLM's defaults (torch.compile and CUDA graphs) vs eager, 512 prompts, Llama-8B and DeepSeek-V3
 # shapes (modes plain_graphs,hscapture_graphs,hscapture,plain); decode = prompt and response captured in one pass
 # (include_output_tokens through the KV connector), 256 requests × 512 + 128 generated tokens, batch 64, the same modes
-# (REPEAT=K runs the mode list K times over, for modes whose runs spread: plain eager);
+# (REPEAT=K runs the mode list K times over, for modes whose runs spread: plain eager; HSBENCH_CPUS=0-7 keeps every
+# mode's processes on the same cores, HSBENCH_WRITERS=N sets the writer's threads, in every bench part);
 # fp8 = bf16 vs fp8 files (modes plain,hscapture,hscapture_fp8,hscapture_fp8_host); serve = bench/serve.py
 # (vllm serve with each hidden-states path, driven by speculators' own generate-offline-data: plain, hscapture's
 # connector file and fp8, vLLM's extract_hidden_states with its own and hs_connectors' fp8 connector; decode with

@@ -41,6 +41,34 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
+class GcTime:
+    """The interpreter's garbage collections while it runs: per generation, how many and how long (every thread's,
+    the engine's included: a step that allocates more containers pays more of them, in no function of its own)."""
+
+    def __init__(self) -> None:
+        import gc
+        import time
+
+        self._gc, self._clock = gc, time.perf_counter_ns
+        self.count, self.ns, self._t0 = [0, 0, 0], [0, 0, 0], 0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = self._clock()
+        else:
+            g = int(info.get("generation", 0))
+            self.count[g] += 1
+            self.ns[g] += self._clock() - self._t0
+
+    def stop(self) -> None:
+        self._gc.callbacks.remove(self._callback)
+
+    def summary(self, steps: int) -> dict:
+        """Per generation: collections, and µs a step spent in them."""
+        return {f"gen{g}": [self.count[g], round(self.ns[g] / max(1, steps) / 1e3, 1)] for g in range(3)}
+
+
 def run(mode: str, model: str, out: str, a: argparse.Namespace, profile: str | None) -> None:
     """One mode in this process; prints one ``CPU_DECODE`` JSON line."""
     import random
@@ -82,6 +110,7 @@ def run(mode: str, model: str, out: str, a: argparse.Namespace, profile: str | N
     llm.generate(prompts, sp, use_tqdm=False)  # warm-up
     capture = mode != "plain"
     base = [r for r in llm.collective_rpc("hscapture_stats") if r][0] if capture else {}
+    gc_time = GcTime()
     cpu0, times = thread_cpu(), []
     prof = None
     for i in range(3):
@@ -93,6 +122,7 @@ def run(mode: str, model: str, out: str, a: argparse.Namespace, profile: str | N
         t = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)
         times.append(time.perf_counter() - t)
+    gc_time.stop()
     if prof is not None:
         prof.disable()
         prof.dump_stats(profile)
@@ -103,6 +133,7 @@ def run(mode: str, model: str, out: str, a: argparse.Namespace, profile: str | N
     steps = a.decode + 1  # one prefill step (the prompts fit one step) and the decode steps
     info = {"mode": mode, "ms_per_step": round(min(times) / steps * 1e3, 3), "runs_s": [round(t, 3) for t in times]}
     info["thread_cpu_s"] = {k: v for k, v in sorted(used.items(), key=lambda kv: -kv[1]) if v >= 0.01}
+    info["gc"] = gc_time.summary(3 * steps)
     if capture:
         st = [r for r in llm.collective_rpc("hscapture_stats") if r][0]
         n = max(1, st["host_ns_steps"] - base["host_ns_steps"])
@@ -169,7 +200,7 @@ def main() -> int:
             best[m] = min(best.get(m, float("inf")), info["ms_per_step"])
             print(
                 f"[pass {rep + 1}] {m}: {info['ms_per_step']} ms/step (runs {info['runs_s']} s); threads' CPU s "
-                f"{info['thread_cpu_s']}"
+                f"{info['thread_cpu_s']}; gc [collections, µs a step] {info['gc']}"
                 + (f"; hscapture host µs/step {info['host_us_per_step']}" if "host_us_per_step" in info else ""),
                 flush=True,
             )

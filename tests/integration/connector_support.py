@@ -61,7 +61,10 @@ def serve(
     args += ["--kv-transfer-config", connector(stage, fmt, mooncake)]
     if tp > 1:
         args += ["--distributed-executor-backend", "mp"]
-    env = {**runtime_env.cpu_defaults(tp), **(env or {})}
+    # The client here never retries (`--max-retries 0`) and waits for each file's lock between its requests: a
+    # pooled connection idle for the server's keep-alive (vLLM's default 5 s) can be closed as it is reused, which
+    # fails the run with a connection error that no retrying client would see.
+    env = {**runtime_env.cpu_defaults(tp), "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "120", **(env or {})}
     return Server(tmp, model, *args, env=env, name=f"serve-{fmt}-tp{tp}"), stage
 
 
@@ -73,6 +76,13 @@ def generate(server: Server, data: Path, out: Path, validate: bool, *extra: str)
     cmd += ["--validate-outputs"] if validate else []
     env = {**os.environ, "PYTHONPATH": str(speculators())}
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def client_failure(r: subprocess.CompletedProcess) -> str:
+    """What a failed client run said: its lines that name an error (a traceback's cause sits far above its tail),
+    then the tails of its output."""
+    named = [ln.strip() for ln in r.stderr.splitlines() if "Error" in ln or "Exception" in ln][:20]
+    return "\n".join(named) + "\n--- stdout ---\n" + r.stdout[-2000:] + "\n--- stderr ---\n" + r.stderr[-3000:]
 
 
 def extract(model: str, data: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:

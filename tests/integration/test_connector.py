@@ -23,6 +23,7 @@ from connector_support import (
     LAYERS,
     ROWS,
     SEQUENTIAL,
+    client_failure,
     connector,
     extract,
     generate,
@@ -97,7 +98,7 @@ def test_file_server_equals_the_offline_capture_and_hf(prepared):
     out = root / "served-file"
     with server:
         r = generate(server, data, out, validate=True)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:] + server.log()
+    assert r.returncode == 0, client_failure(r) + server.log()
     assert sorted(p.name for p in out.iterdir()) == sorted(f"hs_{i}.safetensors" for i in range(ROWS))
     _check_stage_empty(stage)
     _check_file_run(out, ids, offline, exact=True)
@@ -127,7 +128,7 @@ def test_fp8_server_stores_speculators_quantization_of_the_same_states(prepared)
         # speculators 0.9.0's --validate-outputs cannot pass fp8 files (torch.aminmax has no float8 kernel): its
         # online path validates the dequantized states, as _train_reads does below.
         r = generate(server, data, out, validate=False)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:] + server.log()
+    assert r.returncode == 0, client_failure(r) + server.log()
     _check_stage_empty(stage)
     for i, row in enumerate(ids):
         got = load(out / f"hs_{i}.safetensors")
@@ -216,7 +217,7 @@ def test_tp2_server_with_a_slow_disk_holds_each_response_s_lock(prepared):
         finally:
             hold.unlink(missing_ok=True)  # ended: the server is not left stalled
         r = generate(server, data, out, validate=True)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:] + server.log()
+    assert r.returncode == 0, client_failure(r) + server.log()
     _check_stage_empty(stage)
     _check_file_run(out, ids, offline, exact=False)
 
@@ -239,7 +240,7 @@ def test_a_disk_slower_than_the_server_delays_responses_not_files(prepared):
     with server:
         t = time.time()
         r = generate(server, data, out, False, "--max-samples", "8")
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:] + server.log()
+    assert r.returncode == 0, client_failure(r) + server.log()
     assert sorted(p.name for p in out.iterdir()) == [f"hs_{i}.safetensors" for i in range(8)]
     assert time.time() - t >= 8 * 3, "every file was written 3 s late, one at a time"
     _check_stage_empty(stage)

@@ -13,7 +13,8 @@ with fdatasync). Random weights (load_format="dummy"), bf16, `max_tokens=1` unle
 Modes: plain, hscapture (eager; background assembly, overlapped steps), hscapture_inline (scatter on the worker's
 thread), hscapture_serial (each device step collected when the next begins), hscapture_durable, vllm, python;
 plain_graphs and hscapture_graphs (vLLM's defaults: torch.compile and CUDA graphs); plain_compiled and
-hscapture_compiled (torch.compile without CUDA graphs).
+hscapture_compiled (torch.compile without CUDA graphs). Suffixes, with --decode: _prompt (the connector, prompt
+rows only), _offline (no connector); any hscapture mode: _w<N> (N writer threads, e.g. hscapture_w2).
 --decode N: every request also generates N tokens, and the hscapture modes capture prompt and response through the
 KV connector (`include_output_tokens`), one `generate` per batch, vLLM's default chunked prefill.
 """
@@ -208,6 +209,10 @@ def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: di
             print(f"[{name}/{mode}] allocator over the rounds: {res['allocator']}", flush=True)
         if "thread_cpu_s" in res:  # CPU seconds per thread name over the rounds: the capture's threads vs the engine's
             print(f"[{name}/{mode}] worker threads' CPU seconds over the rounds: {res['thread_cpu_s']}", flush=True)
+        if "thread_switches" in res:  # [voluntary, involuntary]: waits (GIL, locks, the GPU) vs cores taken away
+            print(
+                f"[{name}/{mode}] their context switches [voluntary, involuntary]: {res['thread_switches']}", flush=True
+            )
         if "host_us_per_step" in res:
             print(f"[{name}/{mode}] host µs per step over {res['steps']} steps: {res['host_us_per_step']}", flush=True)
         subprocess.run(["rm", "-rf", str(run_out)])

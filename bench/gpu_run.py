@@ -8,6 +8,7 @@ and response in one pass through its KV connector (``include_output_tokens``), f
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -30,10 +31,15 @@ def memory_stats(worker) -> dict:
 
 
 def thread_cpu(worker) -> dict:
-    """CPU seconds each thread of the worker's process has used, summed by thread name: whether the capture's threads
-    (assembler, writers) take cores from the engine's (diagnosis of a slower host-bound step)."""
+    """Per thread of the worker's process: CPU seconds used, and voluntary and involuntary context switches (a thread
+    that waits, for the GIL or a lock, switches voluntarily; one that other threads take the core from, involuntarily).
+    Python's threads are named by their Python name (the engine's main thread, vLLM's input and output threads all
+    carry the process's name in the kernel), the others (the capture's, the allocator's) by the kernel's: whether the
+    capture's threads take cores from the engine's, and which of the engine's threads does more work."""
     import os
+    import threading
 
+    py_names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
     tick, out = os.sysconf("SC_CLK_TCK"), {}
     for t in os.listdir("/proc/self/task"):
         try:
@@ -41,15 +47,22 @@ def thread_cpu(worker) -> dict:
                 stat = f.read()
             with open(f"/proc/self/task/{t}/comm") as f:
                 name = f.read().strip()
+            with open(f"/proc/self/task/{t}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
         except OSError:  # a thread that ended meanwhile
             continue
         fields = stat.rpartition(")")[2].split()
-        out[f"{t}:{name}"] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        name = py_names.get(int(t), name)
+        switches = [
+            int(status.get(k, "0").strip() or 0) for k in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")
+        ]
+        out[f"{t}:{name}"] = [(int(fields[11]) + int(fields[12])) / tick, *switches]  # utime + stime
     return out
 
 
 def threads_used(llm, before: dict | None) -> dict | None:
-    """Per thread name, CPU seconds since ``before`` (a ``thread_cpu`` reading), largest first; None on failure."""
+    """Per thread name, [CPU seconds, voluntary, involuntary context switches] since ``before`` (a ``thread_cpu``
+    reading), most CPU first; None on failure."""
     try:
         now = llm.collective_rpc(thread_cpu)[0]
     except Exception as e:  # noqa: BLE001 - a diagnosis only
@@ -57,11 +70,14 @@ def threads_used(llm, before: dict | None) -> dict | None:
         return None
     if before is None:
         return now
-    used: dict[str, float] = {}
+    used: dict[str, list] = {}
     for k, v in now.items():
-        name = k.partition(":")[2]
-        used[name] = used.get(name, 0.0) + v - before.get(k, 0.0)
-    return dict(sorted(((k, round(v, 2)) for k, v in used.items() if v >= 0.01), key=lambda kv: -kv[1]))
+        name, was = k.partition(":")[2], before.get(k, [0.0, 0, 0])
+        acc = used.setdefault(name, [0.0, 0, 0])
+        for i in range(3):
+            acc[i] += v[i] - was[i]
+    rows = ((k, [round(v[0], 2), v[1], v[2]]) for k, v in used.items() if v[0] >= 0.01)
+    return dict(sorted(rows, key=lambda kv: -kv[1][0]))
 
 
 def allocator_counts(llm) -> dict | None:
@@ -120,6 +136,9 @@ if __name__ == "__main__":
     # include_output_tokens); *_offline* has no connector (the offline writer, prompt rows only).
     connector = mode.startswith("hscapture") and decode and "_offline" not in mode
     outputs = connector and "_prompt" not in mode
+    # A mode ending in _w<N> (hscapture_w2) runs N writer threads, beside the others in the same invocation.
+    writers = re.search(r"_w([0-9]+)$", mode)
+    writers = writers.group(1) if writers else os.environ.get("HSBENCH_WRITERS")
     if os.environ.get("HSBENCH_TORCH_PROFILE"):  # vLLM's torch profiler over one extra batch after the timed rounds
         kw["profiler_config"] = {
             "profiler": "torch",
@@ -131,8 +150,8 @@ if __name__ == "__main__":
 
         kw["worker_cls"] = "hscapture.worker.CaptureWorker"
         kw["additional_config"] = {"hscapture": {"layers": ids, "convention": "after"}}
-        if os.environ.get("HSBENCH_WRITERS"):  # do the writer's threads cost the engine thread its cores?
-            kw["additional_config"]["hscapture"]["writer_threads"] = int(os.environ["HSBENCH_WRITERS"])
+        if writers:  # do the writer's threads cost the engine thread its cores?
+            kw["additional_config"]["hscapture"]["writer_threads"] = int(writers)
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="HscaptureConnector",
             kv_connector_module_path="hscapture.connector",
@@ -152,8 +171,8 @@ if __name__ == "__main__":
                 **({"format": "fp8"} if mode.startswith("hscapture_fp8") else {}),
             }
         }
-        if os.environ.get("HSBENCH_WRITERS"):  # default: hscapture's own (one thread per core, 4 to 16)
-            kw["additional_config"]["hscapture"]["writer_threads"] = int(os.environ["HSBENCH_WRITERS"])
+        if writers:  # default: hscapture's own (one thread per core, 4 to 16)
+            kw["additional_config"]["hscapture"]["writer_threads"] = int(writers)
     elif mode == "python":
         os.environ["HSBENCH_LAYERS"], os.environ["HSBENCH_OUT"] = layers, out
         kw["worker_cls"] = "py_capture_worker.PyCaptureWorker"
@@ -238,7 +257,8 @@ if __name__ == "__main__":
     if mem0 is not None and mem1 is not None:  # over the timed rounds
         info["allocator"] = {k: mem1[k] - mem0[k] for k in ALLOCATOR_COUNTS}
     if cpu1:  # the worker process's threads over the timed rounds (TP=1: the engine core's process)
-        info["thread_cpu_s"] = dict(list(cpu1.items())[:8])
+        info["thread_cpu_s"] = {k: v[0] for k, v in list(cpu1.items())[:8]}
+        info["thread_switches"] = {k: v[1:] for k, v in list(cpu1.items())[:4]}
     if capture:
         info["device_path"] = path
         st = [r for r in llm.collective_rpc("hscapture_stats") if r][0]

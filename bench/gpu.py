@@ -215,6 +215,8 @@ def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: di
             )
         if "host_us_per_step" in res:
             print(f"[{name}/{mode}] host µs per step over {res['steps']} steps: {res['host_us_per_step']}", flush=True)
+        if "slow_steps" in res:  # an average that a few long steps make, or every step's cost?
+            print(f"[{name}/{mode}] steps in which a part took over 1 ms [steps, ms]: {res['slow_steps']}", flush=True)
         subprocess.run(["rm", "-rf", str(run_out)])
     return results
 

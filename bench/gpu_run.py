@@ -269,4 +269,12 @@ if __name__ == "__main__":
             if k.startswith(("host_ns_", "ns_")) and k != "host_ns_steps"
         }
         info["steps"] = steps
+        info["slow_steps"] = {  # per part, the steps in which it took over 1 ms: [steps, ms in them]
+            k.removeprefix("host_slow_"): [
+                v[0] - base_stats.get(k, [0, 0])[0],
+                round((v[1] - base_stats.get(k, [0, 0])[1]) / 1e6, 1),
+            ]
+            for k, v in st.items()
+            if k.startswith("host_slow_")
+        }
     print("BENCH_JSON " + json.dumps(info), flush=True)

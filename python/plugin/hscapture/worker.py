@@ -95,13 +95,14 @@ class CaptureWorker(HiddenStatesRPC, _Base):  # type: ignore[misc, valid-type]
     def hscapture_stats(self) -> dict:
         """This rank's resident memory and capture totals (for soaks, dashboards and benchmarks): the session's counts,
         the nanoseconds its calls took in the core (``ns_*``) and each part of the step took on this worker's thread,
-        Python included (``host_ns_*``)."""
+        Python included (``host_ns_*``), and per part the steps in which it took over 1 ms (``host_slow_*``: [steps,
+        ns])."""
         import psutil
 
         out = {"rss": psutil.Process().memory_info().rss}
         if self._hscapture is not None:
             out.update(dict(self._hscapture.session.stats()))
-            out.update({f"host_ns_{k}": v for k, v in self._hscapture.host_ns.items()})
+            out.update(self._hscapture.times.stats())
         return out
 
     def hscapture_finish(self) -> dict | None:

@@ -24,6 +24,7 @@ from ..config import CaptureConfig
 from ..errors import HscaptureError
 from .ranksync import RankSync, unexpected
 from .rpc_state import RpcState
+from .step_times import StepTimes
 
 log = logging.getLogger("hscapture")
 
@@ -74,9 +75,8 @@ class WorkerCapture:
         self.traced_taps = 0  # taps of the compiled graph during captured steps
         self.traced_active = False  # this capture is the one the compiled graph's taps call (traced.py)
         self.drain_seconds: dict[str, float] = {}
-        # Nanoseconds this worker's thread spent in each part of the step protocol, Python and core together (the
-        # core's own share is in the session's stats): the host cost of a step, measured where it is spent.
-        self.host_ns = {"steps": 0, "begin": 0, "before_forward": 0, "hooks": 0, "end": 0}
+        self.times = StepTimes()  # this thread's host time per part of the step protocol
+        self.host_ns = self.times.ns  # the forward's parts add up here (before_forward, hooks)
         self._active = False
         self._scheduled: dict[str, int] = {}
         self._total = 0
@@ -382,6 +382,7 @@ def run_step(worker: Any, call: Callable[..., Any], scheduler_output: Any, *args
     cap = getattr(worker, "_hscapture", None)
     if cap is None or getattr(worker, "_hscapture_paused", False):
         return call(scheduler_output, *args, **kwargs)
+    mark = cap.times.mark()
     t0 = time.perf_counter_ns()
     cap.begin(scheduler_output)
     t1 = time.perf_counter_ns()
@@ -392,8 +393,5 @@ def run_step(worker: Any, call: Callable[..., Any], scheduler_output: Any, *args
         raise
     t2 = time.perf_counter_ns()
     cap.end()
-    ns = cap.host_ns
-    ns["steps"] += 1
-    ns["begin"] += t1 - t0
-    ns["end"] += time.perf_counter_ns() - t2
+    cap.times.step(mark, t1 - t0, time.perf_counter_ns() - t2)
     return out

@@ -14,7 +14,8 @@ Modes: plain, hscapture (eager; background assembly, overlapped steps), hscaptur
 thread), hscapture_serial (each device step collected when the next begins), hscapture_durable, vllm, python;
 plain_graphs and hscapture_graphs (vLLM's defaults: torch.compile and CUDA graphs); plain_compiled and
 hscapture_compiled (torch.compile without CUDA graphs). Suffixes, with --decode: _prompt (the connector, prompt
-rows only), _offline (no connector); any hscapture mode: _w<N> (N writer threads, e.g. hscapture_w2).
+rows only), _offline (no connector); any hscapture mode: _w<N> (N writer threads, e.g. hscapture_w2), _nice (the
+writer's threads at nice 10 after start-up).
 --decode N: every request also generates N tokens, and the hscapture modes capture prompt and response through the
 KV connector (`include_output_tokens`), one `generate` per batch, vLLM's default chunked prefill.
 """

@@ -96,9 +96,13 @@ case "$what" in
         --prompts "${PROMPTS:-256}" --batch 64 --length 512 --decode 128 --rounds "${ROUNDS:-2}" --repeat "${REPEAT:-1}" 2>&1 | tee "$out/decode-bench.log"
     fi
     if [[ ",$parts," == *",eager,"* ]]; then  # eager decode bisected, every mode on cores 0-7 (~65 s a mode)
+      # Which logical CPUs share a core (pinned to 0-7, the engine's thread may share one with a writer thread).
+      { lscpu | grep -E 'Model name|^CPU\(s\)|Thread|MHz' || true
+        grep -H . /sys/devices/system/cpu/cpu*/topology/thread_siblings_list 2>/dev/null | sed 's|/sys/devices/system/cpu/||' | tr '\n' ' '
+        echo; } >"$out/eager-bench.log"
       HSBENCH_CPUS=${HSBENCH_CPUS:-0-7} timeout "${EAGER_LIMIT_S:-510}" python3 bench/gpu.py --models llama8b \
         --modes "${MODES:-plain,hscapture,hscapture_w2,hscapture_nice,hscapture_prompt,hscapture_offline}" --prompts "${PROMPTS:-128}" \
-        --batch 64 --length 512 --decode 128 --rounds 1 2>&1 | tee "$out/eager-bench.log" || true
+        --batch 64 --length 512 --decode 128 --rounds 1 2>&1 | tee -a "$out/eager-bench.log" || true
     fi
     if [[ ",$parts," == *",profile,"* ]]; then  # why decode under graphs is slower: bisecting modes, stacks, kernels
       rm -rf /tmp/prof && mkdir -p /tmp/prof/stacks /tmp/prof/torch

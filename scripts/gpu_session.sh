@@ -9,7 +9,7 @@
 #   run: bash scripts/gpu_session.sh run [WHAT] carry [".gpu/stage"]
 #
 # WHAT (default "tests,bench"): tests = tests/gpu (TESTS narrows it; the whole of it no longer fits one call:
-# tests-a, tests-b and tests-c are its three parts, one call each); bench = bench/gpu.py for the Llama-8B and DeepSeek-V3
+# tests-a, tests-b, tests-c and tests-d are its parts, one call each); bench = bench/gpu.py for the Llama-8B and DeepSeek-V3
 # shapes with modes plain,hscapture,hscapture_inline,vllm; durable = the same with hscapture_durable;
 # TESTS (environment) narrows the tests part to given pytest paths/node ids;
 # MODELS, MODES and PROMPTS (environment) override the bench part's defaults; HSBENCH_ASYNC=0|1 forces
@@ -71,11 +71,12 @@ case "$what" in
       trap 'tar -czf "$out/hang.tgz" -C /tmp hang 2>/dev/null || true' EXIT
     fi
     python3 -c "import importlib.metadata as m; print('[gpu] vllm', m.version('vllm'), 'pyarrow', m.version('pyarrow'), 'hscapture', m.version('hscapture'))" || true
-    # tests/gpu is past one call's 10 minutes (~19 min on 2026-12-03): three calls, tests-a, tests-b, tests-c.
+    # tests/gpu is past one call's 10 minutes (~19 min on 2026-12-03): a call each, tests-a, tests-b, tests-c, tests-d.
     case ",$parts," in
       *",tests-a,"*) parts="$parts,tests" TESTS="tests/gpu/test_connector_gpu.py::test_connector_files_equal_the_offline_capture tests/gpu/test_connector_gpu.py::test_connector_with_shared_steps_answers_every_request_in_time" ;;
       *",tests-b,"*) parts="$parts,tests" TESTS="tests/gpu/test_connector_gpu.py::test_capture_changes_no_generated_token_and_captures_the_response tests/gpu/test_device_path.py tests/gpu/test_fp8_device.py tests/gpu/test_graph_capture.py" ;;
       *",tests-c,"*) parts="$parts,tests" TESTS="tests/gpu/test_oracle_gpu.py tests/gpu/test_vllm_oracle.py tests/gpu/test_tp2.py tests/gpu/test_pp2.py" ;;
+      *",tests-d,"*) parts="$parts,tests" TESTS="tests/gpu/test_preemption_gpu.py" ;;
     esac
     if [[ ",$parts," == *",tests,"* ]]; then  # the whole log under $OUT even if the call's limit cuts it short
       timeout "${TESTS_LIMIT_S:-560}" python3 -m pytest ${TESTS:-tests/gpu} -q -s --durations=15 >"$out/tests.log" 2>&1 || true

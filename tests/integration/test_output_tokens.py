@@ -160,3 +160,50 @@ def test_an_fp8_server_quantizes_prompt_and_response_token_by_token(tmp_path, ti
         bound = theirs.abs() * (2**-4 + 2**-7) + got["hidden_states_scales"].float() * 2**-9 + 1e-4
         assert bool(((deq - theirs).abs() <= bound).all()), f"request {k}: dequantized beyond the fp8 step of HF's"
     assert not [p for p in stage.iterdir() if p.name.endswith(".partial")]
+
+
+def preemptions(server) -> float:
+    """vLLM's count of preempted requests so far (its Prometheus counter)."""
+    import urllib.request
+
+    with urllib.request.urlopen(server.base + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    found = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_preemptions")]
+    assert found, "vLLM's /metrics has no vllm:num_preemptions counter"
+    return sum(found)
+
+
+def test_preempted_requests_keep_exactly_their_tokens_rows(tmp_path, tiny_model):
+    """A KV cache too small for the requests running together (10 blocks of 32 tokens; six requests of 40 prompt +
+    80 generated tokens need 24): vLLM preempts requests and recomputes them from their first token when they
+    resume, prompt and generated tokens alike. Every file must still hold exactly its request's tokens once, each
+    row equal to HF's state of that token (the recomputed steps' rows replace, never add to, what the preempted
+    request had captured), and the requests before and after run as usual."""
+    from hscapture.testing import reference
+
+    model = tiny_model("llama", "float32")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(4, 1000) for _ in range(40)] for _ in range(6)]
+    outputs = [True, True, True, True, True, False]
+    server, stage = serve(tmp_path, model, "file", extra=["--block-size", "32", "--num-gpu-blocks-override", "10"])
+    with server, ThreadPoolExecutor(6) as pool:
+        before = preemptions(server)
+        jobs = [pool.submit(ask, server, p, 80, o) for p, o in zip(prompts, outputs, strict=True)]
+        results = [j.result() for j in jobs]
+        preempted = preemptions(server) - before
+    assert preempted > 0, "the test's premise: vLLM preempted requests (its KV cache holds 10 blocks of 32 tokens)"
+    expected = []
+    for k, (prompt, generated, path) in enumerate(results):
+        assert len(generated) == 80, f"request {k}"
+        tokens = prompt + generated[:-1] if outputs[k] else prompt
+        got = load(path)
+        assert got["token_ids"].tolist() == tokens, f"request {k}: token ids"
+        assert tuple(got["hidden_states"].shape) == (len(tokens), len(LAYERS), 128), f"request {k}"
+        expected.append((tokens, got["hidden_states"]))
+    ref = reference.compute_subprocess(model, [t for t, _ in expected], LAYERS, "before", tmp_path / "ref")
+    for k, ((_tokens, ours), theirs) in enumerate(zip(expected, ref, strict=True)):
+        theirs = theirs.float()
+        err = torch.linalg.vector_norm(ours - theirs, dim=-1) / torch.linalg.vector_norm(theirs, dim=-1)
+        assert float(err.max()) < 1e-4, f"request {k}: {float(err.max()):.2e} from HF at position {int(err.argmax())}"
+    files = sorted(p.name for p in stage.iterdir() if p.name.endswith(".safetensors"))
+    assert files == sorted(path.name for _p, _g, path in results), files

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from client_script import HELPERS
 from test_fp8_device import _fp8_utils  # speculators' own quantizer, or a skip naming why
 
 pytest.importorskip("vllm")
@@ -211,9 +212,8 @@ def test_connector_with_shared_steps_answers_every_request_in_time(tmp_path, off
 
 
 _TOKENS = r"""
-import fcntl, json, os, shutil, sys, time
+import json, os, sys
 from vllm import LLM, SamplingParams
-from vllm.config import KVTransferConfig
 if __name__ == "__main__":
     model, stage, keep, fmt, prompts_file = sys.argv[1:6]  # fmt: "off" (no capture), "file" or "fp8"
     capture = fmt != "off"
@@ -221,11 +221,7 @@ if __name__ == "__main__":
     kw = dict(model=model, dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
               max_model_len=512, max_num_batched_tokens=STEP_TOKENS, enable_prefix_caching=False, seed=0)
     if capture:
-        kw |= dict(worker_cls="hscapture.worker.CaptureWorker",
-                   additional_config={"hscapture": {"layers": LAYERS, "convention": "before"}},
-                   kv_transfer_config=KVTransferConfig(kv_connector="HscaptureConnector",
-                       kv_connector_module_path="hscapture.connector", kv_role="kv_producer",
-                       kv_connector_extra_config={"shared_storage_path": stage, "format": fmt}))
+        kw |= capture_kwargs(stage, fmt)
     llm = LLM(**kw)
     out = []
     for k, p in enumerate(prompts):  # one request at a time: the same batches with and without capture
@@ -235,17 +231,7 @@ if __name__ == "__main__":
         out.append(list(o.outputs[0].token_ids))
         path = (o.kv_transfer_params or {}).get("hidden_states_path") if capture else None
         if path:
-            with open(path + ".lock", "rb") as f:
-                deadline = time.time() + 120
-                while True:
-                    try:
-                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        assert time.time() < deadline, f"{path} still locked"
-                        time.sleep(0.01)
-            shutil.move(path, os.path.join(keep, f"{k}.safetensors"))
-            os.unlink(path + ".lock")
+            take(path, os.path.join(keep, f"{k}.safetensors"))
     print("TOKENS " + json.dumps(out), flush=True)
 """
 
@@ -263,7 +249,7 @@ def test_capture_changes_no_generated_token_and_captures_the_response(tmp_path, 
 
     model, _ = offline
     script = tmp_path / "tokens.py"
-    script.write_text(f"LAYERS = {LAYERS}\nSTEP_TOKENS = {STEP_TOKENS}\n" + _TOKENS)
+    script.write_text(f"LAYERS = {LAYERS}\nSTEP_TOKENS = {STEP_TOKENS}\n" + HELPERS + _TOKENS)
     (tmp_path / "prompts.json").write_text(json.dumps(_prompts()))
     env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "HSCAPTURE_DEVICE_PATH": "required"}
     got = {}

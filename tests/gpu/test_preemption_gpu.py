@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 import pytest
+from client_script import HELPERS
 from engines import ENGINES
 
 pytest.importorskip("vllm")
@@ -24,11 +25,11 @@ pytestmark = pytest.mark.gpu
 
 LAYERS = [1, 2, 4]  # before convention: inputs of layers 1 and 2, and the final output (N = 4)
 
-# The driver, in a process of its own per run: `python driver.py MODEL STAGE KEEP off|file PROMPTS BLOCKS [cpu]`.
+# The driver (after client_script.HELPERS), in a process of its own per run:
+# `python driver.py MODEL STAGE KEEP off|file PROMPTS BLOCKS [cpu]`.
 DRIVER = r"""
-import fcntl, json, os, shutil, sys, time
+import json, os, sys
 from vllm import LLM, SamplingParams
-from vllm.config import KVTransferConfig
 if __name__ == "__main__":
     model, stage, keep, fmt, prompts_file, blocks = sys.argv[1:7]
     on_cpu = len(sys.argv) > 7 and sys.argv[7] == "cpu"
@@ -38,11 +39,7 @@ if __name__ == "__main__":
               enable_prefix_caching=False, seed=0, block_size=32 if on_cpu else 16,
               num_gpu_blocks_override=int(blocks), disable_log_stats=False, gpu_memory_utilization=0.3)
     if capture:
-        kw |= dict(worker_cls="hscapture.worker.CaptureWorker",
-                   additional_config={"hscapture": {"layers": LAYERS, "convention": "before"}},
-                   kv_transfer_config=KVTransferConfig(kv_connector="HscaptureConnector",
-                       kv_connector_module_path="hscapture.connector", kv_role="kv_producer",
-                       kv_connector_extra_config={"shared_storage_path": stage, "format": fmt}))
+        kw |= capture_kwargs(stage, fmt)
     llm = LLM(**kw)
     params = []
     for k in range(len(prompts)):
@@ -58,17 +55,7 @@ if __name__ == "__main__":
         if not capture:
             continue
         assert path, f"request {k}: no hidden_states_path in {o.kv_transfer_params}"
-        with open(path + ".lock", "rb") as f:
-            deadline = time.time() + 120
-            while True:
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    assert time.time() < deadline, f"{path} still locked"
-                    time.sleep(0.01)
-        shutil.move(path, os.path.join(keep, f"{k}.safetensors"))
-        os.unlink(path + ".lock")
+        take(path, os.path.join(keep, f"{k}.safetensors"))
     print("RESULT " + json.dumps({"tokens": tokens, "preempted": preempted}), flush=True)
 """
 
@@ -81,7 +68,7 @@ def prompts() -> list[list[int]]:
 def drive(tmp, model: str, fmt: str, blocks: int, cpu: bool = False) -> dict:
     """One run of DRIVER; its tokens, its preemption count, and (capturing) the files in ``tmp/keep-<fmt>``."""
     script, listing = tmp / "driver.py", tmp / "prompts.json"
-    script.write_text(f"LAYERS = {LAYERS}\n" + DRIVER)
+    script.write_text(f"LAYERS = {LAYERS}\n" + HELPERS + DRIVER)
     listing.write_text(json.dumps(prompts()))
     stage, keep = tmp / f"stage-{fmt}", tmp / f"keep-{fmt}"
     stage.mkdir()

@@ -52,7 +52,6 @@ def test_prompt_and_generated_tokens_equal_hf_and_the_capture_changes_no_token(t
       tokens (vLLM's own extraction once changed generated tokens when turned on);
     - then five concurrent requests of mixed lengths, the last prompt-only (mixed prefill and decode steps);
     every file holds exactly its tokens, and their states equal HF's."""
-    from hscapture.testing import reference
 
     model = tiny_model("llama", "float32")
     rng = random.Random(7 + tp)
@@ -76,16 +75,25 @@ def test_prompt_and_generated_tokens_equal_hf_and_the_capture_changes_no_token(t
     assert [len(t) for t in on] == [40, 40, 40]
     assert on == off, "the capture changed generated tokens"
 
-    outputs = [True, True, False, True, True, True, True, False]
+    assert [len(g) for _p, g, _path in results] == [40, 40, 40, *lengths]
+    files_equal_hf(model, tmp_path, results, outputs=[True, True, False, True, True, True, True, False])
+
+
+def files_equal_hf(
+    model: str, tmp: Path, results: list[tuple[list[int], list[int], Path]], outputs: list[bool]
+) -> None:
+    """Each answer's file holds exactly its tokens (its prompt, and where it asked for them its generated tokens but
+    the last), each row equal to HF transformers' state of that token (float32, 1e-4 of the row's norm)."""
+    from hscapture.testing import reference
+
     expected = []
-    for k, ((prompt, generated, path), n) in enumerate(zip(results, [40, 40, 40, *lengths], strict=True)):
-        assert len(generated) == n
+    for k, (prompt, generated, path) in enumerate(results):
         tokens = prompt + generated[:-1] if outputs[k] else prompt
         got = load(path)
         assert got["token_ids"].tolist() == tokens, f"request {k}: token ids"
-        assert tuple(got["hidden_states"].shape) == (len(tokens), len(LAYERS), 128)
+        assert tuple(got["hidden_states"].shape) == (len(tokens), len(LAYERS), 128), f"request {k}"
         expected.append((tokens, got["hidden_states"]))
-    ref = reference.compute_subprocess(model, [t for t, _ in expected], LAYERS, "before", tmp_path / "ref")
+    ref = reference.compute_subprocess(model, [t for t, _ in expected], LAYERS, "before", tmp / "ref")
     for k, ((_tokens, ours), theirs) in enumerate(zip(expected, ref, strict=True)):
         theirs = theirs.float()
         err = torch.linalg.vector_norm(ours - theirs, dim=-1) / torch.linalg.vector_norm(theirs, dim=-1)
@@ -178,8 +186,7 @@ def test_preempted_requests_keep_exactly_their_tokens_rows(tmp_path, tiny_model)
     80 generated tokens need 24): vLLM preempts requests and recomputes them from their first token when they
     resume, prompt and generated tokens alike. Every file must still hold exactly its request's tokens once, each
     row equal to HF's state of that token (the recomputed steps' rows replace, never add to, what the preempted
-    request had captured), and the requests before and after run as usual."""
-    from hscapture.testing import reference
+    request had captured), and every request generates its 80 tokens."""
 
     model = tiny_model("llama", "float32")
     rng = random.Random(5)
@@ -192,18 +199,7 @@ def test_preempted_requests_keep_exactly_their_tokens_rows(tmp_path, tiny_model)
         results = [j.result() for j in jobs]
         preempted = preemptions(server) - before
     assert preempted > 0, "the test's premise: vLLM preempted requests (its KV cache holds 10 blocks of 32 tokens)"
-    expected = []
-    for k, (prompt, generated, path) in enumerate(results):
-        assert len(generated) == 80, f"request {k}"
-        tokens = prompt + generated[:-1] if outputs[k] else prompt
-        got = load(path)
-        assert got["token_ids"].tolist() == tokens, f"request {k}: token ids"
-        assert tuple(got["hidden_states"].shape) == (len(tokens), len(LAYERS), 128), f"request {k}"
-        expected.append((tokens, got["hidden_states"]))
-    ref = reference.compute_subprocess(model, [t for t, _ in expected], LAYERS, "before", tmp_path / "ref")
-    for k, ((_tokens, ours), theirs) in enumerate(zip(expected, ref, strict=True)):
-        theirs = theirs.float()
-        err = torch.linalg.vector_norm(ours - theirs, dim=-1) / torch.linalg.vector_norm(theirs, dim=-1)
-        assert float(err.max()) < 1e-4, f"request {k}: {float(err.max()):.2e} from HF at position {int(err.argmax())}"
+    assert [len(g) for _p, g, _path in results] == [80] * 6
+    files_equal_hf(model, tmp_path, results, outputs)
     files = sorted(p.name for p in stage.iterdir() if p.name.endswith(".safetensors"))
     assert files == sorted(path.name for _p, _g, path in results), files

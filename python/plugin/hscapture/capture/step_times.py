@@ -29,13 +29,10 @@ class StepTimes:
         ns["steps"] += 1
         ns["begin"] += begin_ns
         ns["end"] += end_ns
-        took = {
-            "begin": begin_ns,
-            "before_forward": ns["before_forward"] - mark[0],
-            "hooks": ns["hooks"] - mark[1],
-            "end": end_ns,
-        }
-        for part, t in took.items():
+        forward, hooks = ns["before_forward"] - mark[0], ns["hooks"] - mark[1]
+        if max(begin_ns, forward, hooks, end_ns) <= SLOW_NS:
+            return  # every step but a rare one: nothing more to count, nothing allocated
+        for part, t in zip(PARTS, (begin_ns, forward, hooks, end_ns), strict=True):
             if t > SLOW_NS:
                 self.slow[part][0] += 1
                 self.slow[part][1] += t

@@ -1,5 +1,5 @@
 """Preemption under vLLM's defaults (torch.compile and CUDA graphs) and on the V1 runner where this vLLM has it: a KV
-cache too small for the requests running together (48 blocks of 16 tokens for 16 requests of up to 300 prompt + 40
+cache too small for the requests running together (48 blocks of 32 tokens for 16 requests of up to 300 prompt + 40
 generated tokens), so vLLM preempts requests and recomputes them from their first token when they resume, prompt
 and generated tokens alike, in chunked-prefill steps beside other requests' decode steps (some replayed from FULL
 graphs). Every request captures its prompt, every other one its response too (``include_output_tokens``).
@@ -26,17 +26,16 @@ pytestmark = pytest.mark.gpu
 LAYERS = [1, 2, 4]  # before convention: inputs of layers 1 and 2, and the final output (N = 4)
 
 # The driver (after client_script.HELPERS), in a process of its own per run:
-# `python driver.py MODEL STAGE KEEP off|file PROMPTS BLOCKS [cpu]`.
+# `python driver.py MODEL STAGE KEEP off|file PROMPTS BLOCKS` (it runs on vLLM's CPU build too).
 DRIVER = r"""
 import json, os, sys
 from vllm import LLM, SamplingParams
 if __name__ == "__main__":
     model, stage, keep, fmt, prompts_file, blocks = sys.argv[1:7]
-    on_cpu = len(sys.argv) > 7 and sys.argv[7] == "cpu"
     capture = fmt != "off"
     prompts = json.load(open(prompts_file))
     kw = dict(model=model, dtype="float32", skip_tokenizer_init=True, max_model_len=384, max_num_batched_tokens=96,
-              enable_prefix_caching=False, seed=0, block_size=32 if on_cpu else 16,
+              enable_prefix_caching=False, seed=0, block_size=32,
               num_gpu_blocks_override=int(blocks), disable_log_stats=False, gpu_memory_utilization=0.3)
     if capture:
         kw |= capture_kwargs(stage, fmt)
@@ -65,7 +64,7 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(4, 1000) for _ in range(rng.randint(20, 300))] for _ in range(16)]
 
 
-def drive(tmp, model: str, fmt: str, blocks: int, cpu: bool = False) -> dict:
+def drive(tmp, model: str, fmt: str, blocks: int) -> dict:
     """One run of DRIVER; its tokens, its preemption count, and (capturing) the files in ``tmp/keep-<fmt>``."""
     script, listing = tmp / "driver.py", tmp / "prompts.json"
     script.write_text(f"LAYERS = {LAYERS}\n" + HELPERS + DRIVER)
@@ -76,7 +75,7 @@ def drive(tmp, model: str, fmt: str, blocks: int, cpu: bool = False) -> dict:
     env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     cmd = [sys.executable, str(script), model, str(stage), str(keep), fmt, str(listing), str(blocks)]
     try:
-        r = subprocess.run(cmd + (["cpu"] if cpu else []), capture_output=True, text=True, env=env, timeout=420)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
@@ -99,7 +98,7 @@ def test_preempted_requests_keep_exactly_their_tokens_rows(tmp_path, tiny_model,
     off = drive(tmp_path, model, "off", blocks=48)
     on = drive(tmp_path, model, "file", blocks=48)
     print(f"PREEMPTION preempted {on['preempted']} times (without capture {off['preempted']})")
-    assert on["preempted"] > 0, "the test's premise: vLLM preempted requests (48 blocks of 16 tokens)"
+    assert on["preempted"] > 0, "the test's premise: vLLM preempted requests (48 blocks of 32 tokens)"
     assert [len(t) for t in on["tokens"]] == [40] * len(prompts())
     assert on["tokens"] == off["tokens"], "the capture changed generated tokens"
     seqs = [p + (on["tokens"][k][:-1] if k % 2 == 0 else []) for k, p in enumerate(prompts())]

@@ -214,6 +214,10 @@ def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: di
             print(
                 f"[{name}/{mode}] their context switches [voluntary, involuntary]: {res['thread_switches']}", flush=True
             )
+        if "thread_minflt" in res:  # first touches of memory (and remaps) per thread
+            print(f"[{name}/{mode}] their minor page faults: {res['thread_minflt']}", flush=True)
+        if "interrupts" in res:  # the machine's, over the rounds: TLB shootdowns, function calls, rescheduling, ticks
+            print(f"[{name}/{mode}] interrupts over the rounds: {res['interrupts']}", flush=True)
         if "host_us_per_step" in res:
             print(f"[{name}/{mode}] host µs per step over {res['steps']} steps: {res['host_us_per_step']}", flush=True)
         if "slow_steps" in res:  # an average that a few long steps make, or every step's cost?

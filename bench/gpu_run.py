@@ -56,7 +56,8 @@ def thread_cpu(worker) -> dict:
         switches = [
             int(status.get(k, "0").strip() or 0) for k in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")
         ]
-        out[f"{t}:{name}"] = [(int(fields[11]) + int(fields[12])) / tick, *switches]  # utime + stime
+        # utime + stime; the switches; minor page faults (memory touched for the first time, or remapped)
+        out[f"{t}:{name}"] = [(int(fields[11]) + int(fields[12])) / tick, *switches, int(fields[7])]
     return out
 
 
@@ -90,12 +91,32 @@ def threads_used(llm, before: dict | None) -> dict | None:
         return now
     used: dict[str, list] = {}
     for k, v in now.items():
-        name, was = k.partition(":")[2], before.get(k, [0.0, 0, 0])
-        acc = used.setdefault(name, [0.0, 0, 0])
-        for i in range(3):
+        name, was = k.partition(":")[2], before.get(k, [0.0, 0, 0, 0])
+        acc = used.setdefault(name, [0.0, 0, 0, 0])
+        for i in range(4):
             acc[i] += v[i] - was[i]
-    rows = ((k, [round(v[0], 2), v[1], v[2]]) for k, v in used.items() if v[0] >= 0.01)
+    rows = ((k, [round(v[0], 2), *v[1:]]) for k, v in used.items() if v[0] >= 0.01)
     return dict(sorted(rows, key=lambda kv: -kv[1][0]))
+
+
+IRQ_KINDS = ("TLB", "CAL", "RES", "LOC")
+
+
+def interrupts() -> dict | None:
+    """This machine's interrupts so far, summed over CPUs, of the kinds that take a core from a thread without its
+    asking: TLB shootdowns (another thread of a process unmapped memory), function calls, rescheduling, timer ticks.
+    Many TLB shootdowns while the writer threads free large buffers would slow the engine's thread everywhere."""
+    try:
+        with open("/proc/interrupts") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    n_cpus, out = len(lines[0].split()), {}
+    for line in lines[1:]:
+        kind, _, rest = line.partition(":")
+        if kind.strip() in IRQ_KINDS:
+            out[kind.strip()] = sum(int(x) for x in rest.split()[:n_cpus] if x.isdigit())
+    return out
 
 
 def allocator_counts(llm) -> dict | None:
@@ -153,6 +174,10 @@ if __name__ == "__main__":
     # With DECODE, bisecting modes: *_prompt* keeps the connector but asks for the prompt only (no
     # include_output_tokens); *_offline* has no connector (the offline writer, prompt rows only).
     connector = mode.startswith("hscapture") and decode and "_offline" not in mode
+    if "_noopconn" in mode and connector:
+        sys.exit(
+            f"{mode}: a no-op connector beside hscapture's own is not a mode (use plain_noopconn or *_offline_noopconn)"
+        )
     outputs = connector and "_prompt" not in mode
     # A mode ending in _w<N> (hscapture_w2) runs N writer threads, beside the others in the same invocation.
     writers = re.search(r"_w([0-9]+)$", mode)
@@ -206,6 +231,15 @@ if __name__ == "__main__":
             "kv_connector_extra_config": {"shared_storage_path": out},
         }
         kw["enable_chunked_prefill"] = False
+    if "_noopconn" in mode:  # vLLM's connector plumbing alone, with a connector that moves nothing
+        from vllm.config import KVTransferConfig
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+        sys.path.insert(0, here)
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NoopConnector", kv_connector_module_path="noop_connector", kv_role="kv_both"
+        )
     prof = os.environ.get("HSBENCH_PROFILE")
     if prof:  # each mode's processes write their stack samples under their own folder
         os.environ["HSBENCH_PROFILE"] = os.path.join(prof, mode)
@@ -230,7 +264,10 @@ if __name__ == "__main__":
     def clear():  # the connector's files: read by nobody here; removed so that disk space stays flat
         if connector:
             for f in os.listdir(out):
-                os.unlink(os.path.join(out, f))
+                try:
+                    os.unlink(os.path.join(out, f))
+                except FileNotFoundError:  # the last request's file, renamed into place meanwhile: next clear()
+                    pass
 
     llm.generate(prompts[:batch], sp, use_tqdm=False)  # warm-up
     if "_nice" in mode:  # the writer's threads at nice 10 (they exist once the capture started)
@@ -244,6 +281,7 @@ if __name__ == "__main__":
         base_stats = [r for r in llm.collective_rpc("hscapture_stats") if r][0]
     mem0 = allocator_counts(llm)
     cpu0 = threads_used(llm, None)
+    irq0 = interrupts()
     per, drains, parts = [], [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
@@ -258,6 +296,7 @@ if __name__ == "__main__":
         clear()
     mem1 = allocator_counts(llm)
     cpu1 = threads_used(llm, cpu0) if cpu0 is not None else None
+    irq1 = interrupts()
     if os.environ.get("HSBENCH_TORCH_PROFILE"):  # after the timed rounds: its overhead changes no figure above
         llm.start_profile()
         llm.generate(prompts[:batch], sp, use_tqdm=False)
@@ -278,7 +317,10 @@ if __name__ == "__main__":
         info["allocator"] = {k: mem1[k] - mem0[k] for k in ALLOCATOR_COUNTS}
     if cpu1:  # the worker process's threads over the timed rounds (TP=1: the engine core's process)
         info["thread_cpu_s"] = {k: v[0] for k, v in list(cpu1.items())[:8]}
-        info["thread_switches"] = {k: v[1:] for k, v in list(cpu1.items())[:4]}
+        info["thread_switches"] = {k: v[1:3] for k, v in list(cpu1.items())[:4]}
+        info["thread_minflt"] = {k: v[3] for k, v in list(cpu1.items())[:4]}
+    if irq0 and irq1:  # the whole machine's, over the timed rounds
+        info["interrupts"] = {k: irq1[k] - irq0.get(k, 0) for k in irq1}
     if capture:
         info["device_path"] = path
         st = [r for r in llm.collective_rpc("hscapture_stats") if r][0]

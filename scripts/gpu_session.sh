@@ -29,8 +29,11 @@
 # of each trace (GPU busy vs idle, the longest idle gaps and what the host did meanwhile, the host's CUDA calls) in
 # $OUT/trace-gaps.txt; eager decode bisected: MODES=plain,hscapture PROMPTS=64 run profile, then
 # MODES=hscapture_prompt,hscapture_offline PROMPTS=64 (eager modes run ~140 s each under the profiler: two per call);
-# eager = eager decode bisected on cores 0-7: plain, hscapture, hscapture_w2 (2 writer threads), hscapture_nice (the
-# writers at nice 10), hscapture_prompt, hscapture_offline (each thread's CPU and context switches in the log);
+# eager = eager decode bisected on cores 0-7: plain, plain_noopconn (a KV connector that moves nothing: vLLM's connector
+# plumbing alone), hscapture_offline (no connector), hscapture_offline_noopconn, hscapture_prompt (hscapture's
+# connector, prompt rows), hscapture (and prompt + response); each thread's CPU, context switches and minor faults,
+# and the machine's TLB-shootdown, call, rescheduling and timer interrupts in the log (also: hscapture_w2 with 2
+# writer threads, hscapture_nice with the writers at nice 10);
 # disk = bench/disk_writeback.py on the machine's disk (DISK_FILES files of 58.7 MB per mode);
 # tp2 (nvidia-h200-x2) = the same benchmark at tensor-parallel 2 (modes plain,hscapture,vllm by default).
 # (The DeepSeek-V3 TP=2 vs TP=1 check in float32 cannot run there: vLLM 0.23 has no float32 MLA backend.)
@@ -102,7 +105,7 @@ case "$what" in
         grep -H . /sys/devices/system/cpu/cpu*/topology/thread_siblings_list 2>/dev/null | sed 's|/sys/devices/system/cpu/||' | tr '\n' ' '
         echo; } >"$out/eager-bench.log"
       HSBENCH_CPUS=${HSBENCH_CPUS:-0-7} timeout "${EAGER_LIMIT_S:-510}" python3 bench/gpu.py --models llama8b \
-        --modes "${MODES:-plain,hscapture,hscapture_w2,hscapture_nice,hscapture_prompt,hscapture_offline}" --prompts "${PROMPTS:-128}" \
+        --modes "${MODES:-plain,plain_noopconn,hscapture_offline,hscapture_offline_noopconn,hscapture_prompt,hscapture}" --prompts "${PROMPTS:-128}" \
         --batch 64 --length 512 --decode 128 --rounds 1 2>&1 | tee -a "$out/eager-bench.log" || true
     fi
     if [[ ",$parts," == *",profile,"* ]]; then  # why decode under graphs is slower: bisecting modes, stacks, kernels

@@ -55,7 +55,30 @@ def hidden_states_path(out: str, request_id: str) -> str:
     return os.path.join(out, _native.staged_file_name(request_id))
 
 
-class HscaptureConnector(KVConnectorBase_V1):
+class NoKVTransfer:
+    """A KV connector's methods for moving KV cache, when it moves none: nothing is loaded (every prompt token is
+    computed, and captured), nothing is saved. Mixed in before ``KVConnectorBase_V1``."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        pass
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+
+
+class HscaptureConnector(NoKVTransfer, KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         found = settings(vllm_config)
@@ -81,13 +104,7 @@ class HscaptureConnector(KVConnectorBase_V1):
             self.rows = (slots, hidden, dtype)
             self.store = described["kind"] == "store"
 
-    # -- the scheduler side ------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        return 0, False  # nothing is loaded: every prompt token is computed (and captured)
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        pass
-
+    # -- the scheduler side (what moves no KV cache is NoKVTransfer's) ------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         """The workers read the scheduler output itself; this adds the token ids of the requests with generated
         tokens that finished (reported in this same scheduler output's ``finished_req_ids``)."""
@@ -123,16 +140,3 @@ class HscaptureConnector(KVConnectorBase_V1):
         if self.output is None or self.rows is None or n is None:
             return None
         return self.output.growing_refusal(*self.rows, request.request_id, prompt_len, n)
-
-    # -- the worker side: nothing of the KV cache moves -----------------------------------------------
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        pass
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_for_save(self) -> None:
-        pass

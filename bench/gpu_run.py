@@ -234,9 +234,9 @@ if __name__ == "__main__":
     if "_noopconn" in mode:  # vLLM's connector plumbing alone, with a connector that moves nothing
         from vllm.config import KVTransferConfig
 
+        # This script's folder is already on its own path; the engine's processes find the connector through this.
         here = os.path.dirname(os.path.abspath(__file__))
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-        sys.path.insert(0, here)
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="NoopConnector", kv_connector_module_path="noop_connector", kv_role="kv_both"
         )

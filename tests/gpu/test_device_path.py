@@ -102,7 +102,8 @@ def test_small_pinned_buffers_serve_the_steps_they_hold(overlap, small):
     equal_to_the_cpu_twin("bfloat16", "bfloat16", True, 2, overlap, small)
 
 
-def equal_to_the_cpu_twin(in_dtype, out_dtype, residual, ring, overlap, small=0):
+def equal_to_the_cpu_twin(in_dtype, out_dtype, residual, ring, overlap, small=0, early=None):
+    """`early`: the device's `early_copy_bytes` (1: every step's rows leave slot by slot during the forward)."""
     steps = make_steps(seed=zlib.crc32(f"{in_dtype}{out_dtype}{residual}".encode()) % 1000)
     gen = torch.Generator().manual_seed(0)
     cache: dict = {}
@@ -130,7 +131,8 @@ def equal_to_the_cpu_twin(in_dtype, out_dtype, residual, ring, overlap, small=0)
     cpu_out, cpu_samples = run(cpu, steps, record, device=False)
     it = iter(seq)
     dev = session()
-    dev.enable_device(torch.cuda.current_device(), 128, max(ring, 1) + int(overlap), overlap, small_rows=small)
+    more = {} if early is None else {"early_copy_bytes": early}
+    dev.enable_device(torch.cuda.current_device(), 128, max(ring, 1) + int(overlap), overlap, small_rows=small, **more)
     if ring:
         dev.set_background(ring)
     dev_out, dev_samples = run(dev, steps, lambda rows, slot: next(it), device=True)

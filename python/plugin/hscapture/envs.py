@@ -126,6 +126,14 @@ REGISTRY: dict[str, EnvVar] = {
             "accounted when the next step begins.",
         ),
         EnvVar(
+            "HSCAPTURE_EARLY_COPY_MIB",
+            "int",
+            "4",
+            "Device path: in a step with at least this many MiB of rows per captured layer (a prefill), each layer's "
+            "rows are copied to the host as soon as its capture ran, while the forward goes on, rather than all after "
+            "it. `0`: every step; a negative value: never (every copy after the forward).",
+        ),
+        EnvVar(
             "HSCAPTURE_FP8_ON_DEVICE",
             "bool",
             "1",

@@ -181,7 +181,9 @@ def enable_device(session: Any, cfg: CaptureConfig, writer: bool, vc: Any) -> De
         # PCIe), on the rank that writes them.
         fp8 = bool(writer and cfg.format == "fp8" and cfg.out and envs.get("HSCAPTURE_FP8_ON_DEVICE"))
         small = decode_rows(vc)
-        arch = session.enable_device(torch.cuda.current_device(), rows, ring, overlap, fp8, small)
+        early = int(envs.get("HSCAPTURE_EARLY_COPY_MIB"))
+        early = 2**62 if early < 0 else max(min(early, 2**40) << 20, 1)  # bytes; 0 MiB: every step
+        arch = session.enable_device(torch.cuda.current_device(), rows, ring, overlap, fp8, small, early)
     except HscaptureError as e:
         if mode == "required":
             raise

@@ -76,6 +76,13 @@ impl DeviceArena {
         }
     }
 
+    /// `slot`'s first `rows` rows in `half` (in the output dtype).
+    pub fn slot_rows(&self, half: usize, slot: usize, rows: usize) -> CoreResult<CudaView<'_, u8>> {
+        let rb = self.row_bytes();
+        let at = (self.data_base(half) + slot * self.layout.capacity) * rb;
+        part(&self.data, at..at + rows * rb, "rows")
+    }
+
     /// Bytes of device memory held.
     pub fn bytes(&self) -> usize {
         let ArmedLayout { slots, capacity, width, halves } = self.layout;

@@ -14,7 +14,8 @@
 //! - after the forward, on the forward's stream: fp8 quantization (per-token scales over every slot, `fp8.cu`) into
 //!   the half's codes, the disarm, an event; the copy stream waits for that event and copies the step's rows (or
 //!   codes and scales), checksums, counts and stamps to the step's pinned buffer, then records the buffer's
-//!   `copies_done` and the half's `half_free`;
+//!   `copies_done` and the half's `half_free`; in a large step each slot's rows are copied as soon as its kernel
+//!   ran instead (`early_copies.rs`);
 //! - a host buffer is written only by the copies of the step that took it, and read only once they are done and
 //!   until it is given back (`ring.rs`);
 //! - on drop the forward's last work is disarmed and the copy stream synchronised: it waited for every kernel that
@@ -24,6 +25,7 @@
 //!   the process: `hscapture_kernels::launch`).
 
 mod arena;
+mod early_copies;
 mod ring;
 mod step_copies;
 
@@ -35,6 +37,8 @@ use crate::capture::device::{DeviceBackend, PinnedStep};
 use crate::capture::tensor::{Device, TensorDesc};
 use crate::{bail, core_err, ensure, error::CoreResult};
 use arena::{address, part, DeviceArena};
+use early_copies::EarlyCopies;
+pub use early_copies::EARLY_COPY_BYTES;
 use hscapture_kernels::armed::{ArmedLayout, Control, CONTROL_WORDS, STAMP_WORDS};
 use hscapture_kernels::launch::{guarded, ArmedArgs, CaptureKernel, Fp8Args};
 use hscapture_kernels::{DType, KernelError, RowRun};
@@ -72,6 +76,7 @@ pub struct CudaDevice {
     /// A launch ran outside an armed step: a CUDA graph may have recorded it (see the module's invariants).
     recorded: bool,
     quantize: bool,
+    early: EarlyCopies,
     src_rows: Vec<i32>,
 }
 
@@ -79,7 +84,8 @@ impl CudaDevice {
     /// Loads the kernel on `ordinal`, allocates the arena for `capacity` rows per slot in `halves` halves (2 when steps
     /// overlap) and `ring` pinned host buffers of `capacity` rows, and as many of `small_rows` rows when that is
     /// between 0 and `capacity` (decode steps take those: `host_pool.rs`); with `quantize`, the fp8 codes and
-    /// scales, and host buffers that hold those.
+    /// scales, and host buffers that hold those. Steps of at least `early_bytes` bytes of rows per slot copy each
+    /// slot's rows as soon as its kernel ran (`early_copies.rs`).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         ordinal: i32,
@@ -91,6 +97,7 @@ impl CudaDevice {
         ring: usize,
         small_rows: usize,
         quantize: bool,
+        early_bytes: usize,
     ) -> CoreResult<CudaDevice> {
         ensure!(
             capacity > 0 && slots > 0 && width > 0,
@@ -121,14 +128,15 @@ impl CudaDevice {
         let layout = ArmedLayout { slots, capacity, width, halves };
         let kernel = CaptureKernel::load(ordinal).map_err(kerr)?;
         let ctx = Arc::clone(kernel.context());
-        let (copy, arena, forward_done, half_free) = guarded("allocating the capture arena", || {
+        let (copy, arena, forward_done, half_free, early) = guarded("allocating the capture arena", || {
             let copy = drv("cuStreamCreate", ctx.new_stream())?;
             let arena = drv("cuMemAlloc", DeviceArena::new(&copy, layout, dtype, quantize))?;
             let forward_done = drv("cuEventCreate", ctx.new_event(None))?;
             let half_free = (0..halves).map(|_| drv("cuEventCreate", ctx.new_event(None))).collect::<Result<Vec<_>, _>>()?;
+            let early = EarlyCopies::new(&ctx, slots, early_bytes)?;
             // Other streams use the arena only once its allocation (stream-ordered) and zeroing are done.
             drv("cuStreamSynchronize", copy.synchronize())?;
-            Ok((copy, arena, forward_done, half_free))
+            Ok((copy, arena, forward_done, half_free, early))
         })
         .map_err(kerr)?;
         let host_row_bytes = if quantize { width } else { row_bytes };
@@ -147,6 +155,7 @@ impl CudaDevice {
             stream: None,
             recorded: false,
             quantize,
+            early,
             src_rows: Vec::with_capacity(capacity),
         })
     }
@@ -247,6 +256,7 @@ impl DeviceBackend for CudaDevice {
         let data_base = self.arena.data_base(half) as u32;
         self.write_control(Control { arm, rows: rows as u32, data_base, half: half as u32 }, &s)?;
         self.next_half = (half + 1) % self.half_free.len();
+        self.early.arm(rows.saturating_mul(self.arena.row_bytes()), self.quantize);
         self.armed = Some(Armed { half, rows, stream: s });
         Ok(())
     }
@@ -255,6 +265,7 @@ impl DeviceBackend for CudaDevice {
         let Some(a) = self.armed.take() else {
             return Ok(());
         };
+        self.early.off();
         self.kernel.bind().map_err(kerr)?;
         self.write_control(Control::DISARMED, &a.stream)
     }
@@ -282,6 +293,7 @@ impl DeviceBackend for CudaDevice {
         // SAFETY: `stream` is the caller's current stream on this device (the trait's contract).
         let s = unsafe { self.borrow(stream) };
         self.recorded |= self.armed.is_none();
+        let early = self.before_launch(slot, &s).map_err(kerr)?;
         let a = &self.arena;
         let (sums, bad) = (address(&a.sums, &s), address(&a.bad, &s));
         let args = ArmedArgs {
@@ -307,7 +319,11 @@ impl DeviceBackend for CudaDevice {
         // SAFETY: the arena's buffers are this device's allocations for every half and stay allocated while a graph
         // may replay the launch (the control block beyond the session: see the module's invariants); the tensors'
         // memory is the caller's contract.
-        unsafe { self.kernel.launch_armed(&args, &s) }.map_err(kerr)
+        unsafe { self.kernel.launch_armed(&args, &s) }.map_err(kerr)?;
+        if early {
+            self.after_launch(slot, &s)?;
+        }
+        Ok(())
     }
 
     fn end_step(&mut self) -> CoreResult<()> {
@@ -321,6 +337,7 @@ impl DeviceBackend for CudaDevice {
         self.write_control(Control::DISARMED, &a.stream)?;
         guarded("cuEventRecord", || drv("cuEventRecord", self.forward_done.record(&a.stream))).map_err(kerr)?;
         self.copy_step(&a)?;
+        self.early.off();
         self.ring.end(&self.copy)
     }
 

@@ -1,5 +1,6 @@
 //! After an armed step's forward: fp8 quantization on the forward's stream, then the copies of the step's rows (or
-//! codes and scales), checksums, counts and stamps to its pinned buffer on the copy stream (`CudaDevice::end_step`).
+//! codes and scales), checksums, counts and stamps to its pinned buffer on the copy stream (`CudaDevice::end_step`);
+//! rows copied early (`early_copies.rs`) are not copied again.
 
 use cudarc::driver::{result, CudaView, DevicePtr, DeviceRepr, HostSlice, PinnedHostSlice};
 
@@ -9,7 +10,11 @@ use super::*;
 /// `size_of_val(dst)` bytes, a pinned buffer's whole capacity, whatever `src` holds; a decode step of 64 rows then
 /// moved every slot's `capacity` rows (measured on the H200: ~10 ms of copies a step, vLLM's sampled-token copy
 /// queued behind them, decode at 0.6× of plain). The caller has made the context current (`end_step`).
-fn copy_to_pinned<T: DeviceRepr>(stream: &Arc<CudaStream>, src: &CudaView<'_, T>, dst: &mut PinnedHostSlice<T>) -> Result<(), KernelError> {
+pub(super) fn copy_to_pinned<T: DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    src: &CudaView<'_, T>,
+    dst: &mut PinnedHostSlice<T>,
+) -> Result<(), KernelError> {
     let (n, room) = (src.len(), HostSlice::len(dst));
     if n > room {
         return Err(KernelError(format!("a step's copy of {n} elements into a pinned buffer of {room}")));
@@ -49,9 +54,8 @@ impl CudaDevice {
     /// Enqueues the copies of the armed step (after `forward_done`) into the current host buffer.
     pub(super) fn copy_step(&mut self, a: &Armed) -> CoreResult<()> {
         let ArmedLayout { slots, capacity: cap, width: w, .. } = self.arena.layout;
-        let (n, half, rb) = (a.rows, a.half, self.arena.row_bytes());
-        let data_base = self.arena.data_base(half);
-        let (arena, copy, quantize) = (&self.arena, &self.copy, self.quantize);
+        let (n, half) = (a.rows, a.half);
+        let (arena, copy, quantize, early) = (&self.arena, &self.copy, self.quantize, &self.early);
         let host = self.ring.current_mut()?;
         let view = |e: crate::CoreError| KernelError(e.message);
         guarded("enqueueing the copies to host", || {
@@ -61,9 +65,8 @@ impl CudaDevice {
                 if let Some((codes, _)) = arena.fp8.as_ref().filter(|_| quantize) {
                     let at = stat * w;
                     copy_to_pinned(copy, &part(codes, at..at + n * w, "fp8 codes").map_err(view)?, &mut host.data[slot])?;
-                } else {
-                    let at = (data_base + slot * cap) * rb;
-                    copy_to_pinned(copy, &part(&arena.data, at..at + n * rb, "rows").map_err(view)?, &mut host.data[slot])?;
+                } else if !early.copied(slot) {
+                    copy_to_pinned(copy, &arena.slot_rows(half, slot, n).map_err(view)?, &mut host.data[slot])?;
                 }
                 copy_to_pinned(copy, &part(&arena.sums, stat..stat + n, "checksums").map_err(view)?, &mut host.sums[slot])?;
                 copy_to_pinned(copy, &part(&arena.bad, stat..stat + n, "non-finite counts").map_err(view)?, &mut host.bad[slot])?;

@@ -15,7 +15,8 @@ thread), hscapture_serial (each device step collected when the next begins), hsc
 plain_graphs and hscapture_graphs (vLLM's defaults: torch.compile and CUDA graphs); plain_compiled and
 hscapture_compiled (torch.compile without CUDA graphs). Suffixes, with --decode: _prompt (the connector, prompt
 rows only), _offline (no connector); any hscapture mode: _w<N> (N writer threads, e.g. hscapture_w2), _nice (the
-writer's threads at nice 10 after start-up).
+writer's threads at nice 10 after start-up), _early before any other suffix (HSCAPTURE_EARLY_COPY_MIB=4: a large
+step's rows copied layer by layer during the forward, e.g. hscapture_early_graphs).
 --decode N: every request also generates N tokens, and the hscapture modes capture prompt and response through the
 KV connector (`include_output_tokens`), one `generate` per batch, vLLM's default chunked prefill.
 """

@@ -169,6 +169,8 @@ if __name__ == "__main__":
         os.environ["HSCAPTURE_ASSEMBLY"] = "inline"
     if mode == "hscapture_serial":  # each device step collected when the next begins, as before the overlap
         os.environ["HSCAPTURE_DEVICE_OVERLAP"] = "0"
+    if "_early" in mode:  # a large step's rows copied layer by layer during the forward (early copies)
+        os.environ["HSCAPTURE_EARLY_COPY_MIB"] = "4"
     if mode == "hscapture_fp8_host":  # fp8 files quantized in the writer threads instead of on the GPU
         os.environ["HSCAPTURE_FP8_ON_DEVICE"] = "0"
     # With DECODE, bisecting modes: *_prompt* keeps the connector but asks for the prompt only (no
@@ -237,8 +239,10 @@ if __name__ == "__main__":
         # This script's folder is already on its own path; the engine's processes find the connector through this.
         here = os.path.dirname(os.path.abspath(__file__))
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+        # kv_producer, as hscapture's connector: kv_both would add vLLM's deferred block frees under asynchronous
+        # scheduling (scheduler.py's defer_block_free), which hscapture's path does not pay.
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="NoopConnector", kv_connector_module_path="noop_connector", kv_role="kv_both"
+            kv_connector="NoopConnector", kv_connector_module_path="noop_connector", kv_role="kv_producer"
         )
     prof = os.environ.get("HSBENCH_PROFILE")
     if prof:  # each mode's processes write their stack samples under their own folder

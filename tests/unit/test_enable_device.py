@@ -17,8 +17,8 @@ class Session:
     def __init__(self):
         self.calls = []
 
-    def enable_device(self, ordinal, rows, ring, overlap, fp8, small_rows=0):
-        self.calls.append((ordinal, rows, ring, overlap, fp8, small_rows))
+    def enable_device(self, ordinal, rows, ring, overlap, fp8, small_rows=0, early_copy_bytes=None):
+        self.calls.append((ordinal, rows, ring, overlap, fp8, small_rows, early_copy_bytes))
         return "compute_90"
 
 
@@ -54,6 +54,23 @@ def test_steps_kept_in_flight_size_the_ring(monkeypatch, overlap, ring):
     vc = NS(device_config=NS(device_type="cuda"), scheduler_config=NS(max_num_batched_tokens=64))
     path = wiring.enable_device(session, CaptureConfig(layers=(1,), convention="after"), False, vc)
     assert (path.overlap, session.calls[0][2], session.calls[0][3]) == (int(overlap), ring, int(overlap))
+
+
+@pytest.mark.parametrize("mib,early", [(None, None), ("-1", None), ("0", 1), ("4", 4 << 20), (str(2**60), 2**60)])
+def test_early_copies_are_asked_for_by_size(monkeypatch, mib, early):
+    """HSCAPTURE_EARLY_COPY_MIB reaches the device as bytes of rows per layer: unset or negative never, 0 every step,
+    a huge value capped (the core's threshold is a usize)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda_libs, "preload_nvrtc", lambda: None)
+    if mib is None:
+        monkeypatch.delenv("HSCAPTURE_EARLY_COPY_MIB", raising=False)
+    else:
+        monkeypatch.setenv("HSCAPTURE_EARLY_COPY_MIB", mib)
+    session = Session()
+    vc = NS(device_config=NS(device_type="cuda"), scheduler_config=NS(max_num_batched_tokens=64))
+    wiring.enable_device(session, CaptureConfig(layers=(1,), convention="after"), True, vc)
+    assert session.calls[0][6] == early
 
 
 def test_more_than_two_steps_in_flight_is_refused(monkeypatch):

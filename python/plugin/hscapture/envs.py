@@ -128,10 +128,11 @@ REGISTRY: dict[str, EnvVar] = {
         EnvVar(
             "HSCAPTURE_EARLY_COPY_MIB",
             "int",
-            "4",
-            "Device path: in a step with at least this many MiB of rows per captured layer (a prefill), each layer's "
-            "rows are copied to the host as soon as its capture ran, while the forward goes on, rather than all after "
-            "it. `0`: every step; a negative value: never (every copy after the forward).",
+            "-1",
+            "Device path: in a step with at least this many MiB of rows per captured layer (a prefill; `4` is the "
+            "intended setting), each layer's rows are copied to the host as soon as its capture ran, while the forward "
+            "goes on, rather than all after it. `0`: every step; negative (the default until it has run on a GPU): "
+            "never, every copy after the forward.",
         ),
         EnvVar(
             "HSCAPTURE_FP8_ON_DEVICE",

@@ -11,7 +11,7 @@ use super::output::Output;
 use super::step::Step;
 use super::tensor::{describe, parse_dtype};
 use crate::attribution::layers::{Convention, LayerPlan};
-use crate::capture::cuda::{CudaDevice, EARLY_COPY_BYTES};
+use crate::capture::cuda::CudaDevice;
 use crate::capture::session::SessionConfig;
 use crate::capture::tensor::Device;
 use crate::output::ledger::record::SampleRecord;
@@ -213,8 +213,8 @@ impl CaptureSession {
     /// copies running while the next forwards do (needs `host_ring` > `overlap`; the arena then has two halves).
     /// With `fp8`, each step is quantized on the device (the fp8 format's codes and scales cross PCIe). Returns the
     /// architecture the kernel was built for. Steps of at least `early_copy_bytes` bytes of rows per layer (a prefill)
-    /// copy each layer's rows as soon as its kernel ran, while the forward goes on.
-    #[pyo3(signature = (ordinal, capacity_rows, host_ring=2, overlap=1, fp8=false, small_rows=0, early_copy_bytes=EARLY_COPY_BYTES))]
+    /// copy each layer's rows as soon as its kernel ran, while the forward goes on (None: every copy after it).
+    #[pyo3(signature = (ordinal, capacity_rows, host_ring=2, overlap=1, fp8=false, small_rows=0, early_copy_bytes=None))]
     #[allow(clippy::too_many_arguments)]
     fn enable_device(
         &mut self,
@@ -225,13 +225,24 @@ impl CaptureSession {
         overlap: usize,
         fp8: bool,
         small_rows: usize,
-        early_copy_bytes: usize,
+        early_copy_bytes: Option<usize>,
     ) -> PyResult<String> {
         guard("enable_device", || {
             let (slots, width, dtype) = self.inner.geometry();
             let halves = if overlap == 0 { 1 } else { 2 };
             let dev = py.detach(|| {
-                CudaDevice::new(ordinal, slots, width, dtype, capacity_rows, halves, host_ring, small_rows, fp8, early_copy_bytes)
+                CudaDevice::new(
+                    ordinal,
+                    slots,
+                    width,
+                    dtype,
+                    capacity_rows,
+                    halves,
+                    host_ring,
+                    small_rows,
+                    fp8,
+                    early_copy_bytes.unwrap_or(usize::MAX),
+                )
             })?;
             let arch = dev.arch().to_string();
             self.inner.set_device(Box::new(dev), overlap)?;

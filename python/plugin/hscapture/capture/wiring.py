@@ -157,6 +157,13 @@ class DevicePath:
     fp8: bool = False
 
 
+def early_copy_bytes() -> int | None:
+    """`HSCAPTURE_EARLY_COPY_MIB` as the device's threshold in bytes of rows per layer (None: never; 0 MiB: every
+    step, 1 byte)."""
+    mib = int(envs.get("HSCAPTURE_EARLY_COPY_MIB"))
+    return None if mib < 0 else max(min(mib << 20, 2**60), 1)
+
+
 def enable_device(session: Any, cfg: CaptureConfig, writer: bool, vc: Any) -> DevicePath:
     """The capture path for CUDA tensors: the device path where it can be set up, else host copies."""
     if not torch.cuda.is_available() or getattr(vc.device_config, "device_type", "cuda") != "cuda":
@@ -181,9 +188,7 @@ def enable_device(session: Any, cfg: CaptureConfig, writer: bool, vc: Any) -> De
         # PCIe), on the rank that writes them.
         fp8 = bool(writer and cfg.format == "fp8" and cfg.out and envs.get("HSCAPTURE_FP8_ON_DEVICE"))
         small = decode_rows(vc)
-        early = int(envs.get("HSCAPTURE_EARLY_COPY_MIB"))
-        early = 2**62 if early < 0 else max(min(early, 2**40) << 20, 1)  # bytes; 0 MiB: every step
-        arch = session.enable_device(torch.cuda.current_device(), rows, ring, overlap, fp8, small, early)
+        arch = session.enable_device(torch.cuda.current_device(), rows, ring, overlap, fp8, small, early_copy_bytes())
     except HscaptureError as e:
         if mode == "required":
             raise

@@ -17,11 +17,10 @@ use cudarc::driver::sys::CUstreamCaptureStatus;
 use super::step_copies::copy_to_pinned;
 use super::*;
 
-/// Steps with fewer bytes of rows per slot copy at the end only: an early copy costs three driver calls per launch,
-/// a few µs, which a decode step's rows (64 × 4,096 × 2 bytes: 10 µs at 55 GB/s) would not repay.
-pub const EARLY_COPY_BYTES: usize = 4 << 20;
-
 pub(super) struct EarlyCopies {
+    /// Steps with fewer bytes of rows per slot copy at the end only (`HSCAPTURE_EARLY_COPY_MIB`): an early copy costs
+    /// a few driver calls per launch, a few µs, which a decode step's rows (64 × 4,096 × 2 bytes: 10 µs at 55 GB/s)
+    /// would not repay.
     min_bytes: usize,
     /// Per slot: recorded on the forward's stream after the slot's kernel.
     launched: Vec<CudaEvent>,

@@ -38,7 +38,6 @@ use crate::capture::tensor::{Device, TensorDesc};
 use crate::{bail, core_err, ensure, error::CoreResult};
 use arena::{address, part, DeviceArena};
 use early_copies::EarlyCopies;
-pub use early_copies::EARLY_COPY_BYTES;
 use hscapture_kernels::armed::{ArmedLayout, Control, CONTROL_WORDS, STAMP_WORDS};
 use hscapture_kernels::launch::{guarded, ArmedArgs, CaptureKernel, Fp8Args};
 use hscapture_kernels::{DType, KernelError, RowRun};

@@ -33,7 +33,7 @@
 # plumbing alone), hscapture_offline (no connector), hscapture_offline_noopconn, hscapture_prompt (hscapture's
 # connector, prompt rows), hscapture (and prompt + response); each thread's CPU, context switches and minor faults,
 # and the machine's TLB-shootdown, call, rescheduling and timer interrupts in the log (also: hscapture_w2 with 2
-# writer threads, hscapture_nice with the writers at nice 10);
+# writer threads, hscapture_nice with the writers at nice 10; REPEAT=K runs the list K times over, interleaved);
 # disk = bench/disk_writeback.py on the machine's disk (DISK_FILES files of 58.7 MB per mode);
 # tp2 (nvidia-h200-x2) = the same benchmark at tensor-parallel 2 (modes plain,hscapture,vllm by default).
 # (The DeepSeek-V3 TP=2 vs TP=1 check in float32 cannot run there: vLLM 0.23 has no float32 MLA backend.)
@@ -106,7 +106,7 @@ case "$what" in
         echo; } >"$out/eager-bench.log"
       HSBENCH_CPUS=${HSBENCH_CPUS:-0-7} timeout "${EAGER_LIMIT_S:-510}" python3 bench/gpu.py --models llama8b \
         --modes "${MODES:-plain,plain_noopconn,hscapture_offline,hscapture_offline_noopconn,hscapture_prompt,hscapture}" --prompts "${PROMPTS:-128}" \
-        --batch 64 --length 512 --decode 128 --rounds 1 2>&1 | tee -a "$out/eager-bench.log" || true
+        --batch 64 --length 512 --decode 128 --rounds 1 --repeat "${REPEAT:-1}" 2>&1 | tee -a "$out/eager-bench.log" || true
     fi
     if [[ ",$parts," == *",profile,"* ]]; then  # why decode under graphs is slower: bisecting modes, stacks, kernels
       rm -rf /tmp/prof && mkdir -p /tmp/prof/stacks /tmp/prof/torch

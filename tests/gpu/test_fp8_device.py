@@ -50,7 +50,11 @@ def _capture(out: Path, steps, tensors, *, fmt: str, dtype: str, device: bool, r
         output=_native.Output({"kind": "directory", "root": str(out), "format": fmt, "durable": False}, model="t"),
     )
     if device:
-        s.enable_device(torch.cuda.current_device(), 128, max(ring, 1) + int(overlap), overlap, fmt == "fp8")
+        # fp8 asks for early copies on every step: the device must still copy at the end (the scales span every slot).
+        early = 1 if fmt == "fp8" else None
+        s.enable_device(
+            torch.cuda.current_device(), 128, max(ring, 1) + int(overlap), overlap, fmt == "fp8", early_copy_bytes=early
+        )
     if ring:
         s.set_background(ring)
     run(s, steps, tensors, device=device)

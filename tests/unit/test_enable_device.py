@@ -73,6 +73,17 @@ def test_early_copies_are_asked_for_by_size(monkeypatch, mib, early):
     assert session.calls[0][6] == early
 
 
+def test_a_bad_early_copy_size_is_refused_not_a_fallback(monkeypatch):
+    from hscapture import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_libs, "preload_nvrtc", lambda: None)
+    monkeypatch.setenv("HSCAPTURE_EARLY_COPY_MIB", "4MiB")
+    vc = NS(device_config=NS(device_type="cuda"), scheduler_config=NS(max_num_batched_tokens=64))
+    with pytest.raises(ConfigError, match="HSCAPTURE_EARLY_COPY_MIB"):
+        wiring.enable_device(Session(), CaptureConfig(layers=(1,), convention="after"), False, vc)
+
+
 def test_more_than_two_steps_in_flight_is_refused(monkeypatch):
     from hscapture import ConfigError
 

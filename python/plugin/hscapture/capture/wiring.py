@@ -180,6 +180,7 @@ def enable_device(session: Any, cfg: CaptureConfig, writer: bool, vc: Any) -> De
         raise ConfigError(
             f"HSCAPTURE_DEVICE_OVERLAP={overlap} is not valid: expected 0, 1 or 2 device steps kept in flight"
         )
+    early = early_copy_bytes()  # a bad value is the user's error, not a reason to fall back to host copies
     try:
         # The assembler's ring (ranks that only verify need one buffer), plus the steps in flight (with overlap the
         # device arena has two halves: one step's kernels write one while the step before is copied from the other).
@@ -188,7 +189,7 @@ def enable_device(session: Any, cfg: CaptureConfig, writer: bool, vc: Any) -> De
         # PCIe), on the rank that writes them.
         fp8 = bool(writer and cfg.format == "fp8" and cfg.out and envs.get("HSCAPTURE_FP8_ON_DEVICE"))
         small = decode_rows(vc)
-        arch = session.enable_device(torch.cuda.current_device(), rows, ring, overlap, fp8, small, early_copy_bytes())
+        arch = session.enable_device(torch.cuda.current_device(), rows, ring, overlap, fp8, small, early)
     except HscaptureError as e:
         if mode == "required":
             raise

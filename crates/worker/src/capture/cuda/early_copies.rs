@@ -10,7 +10,9 @@
 //! - a slot launched again in the same step (a layer that runs twice) keeps the last launch's rows, as the copies
 //!   at the step's end would: its kernel waits for the early copy before it (which must not read rows being
 //!   overwritten), and the rows are copied again after it;
-//! - an early copy writes the step's own host buffer (`ring.rs`: taken at `arm`), before the step's `copies_done`.
+//! - an early copy writes the step's own host buffer (`ring.rs`: taken at `arm`), before the step's `copies_done`;
+//! - a slot copied early and then written again by a replayed graph in the same step (no host code runs) would keep
+//!   the eager launch's rows: vLLM runs a forward either eagerly or as graphs, never a layer both ways in one step.
 
 use cudarc::driver::sys::CUstreamCaptureStatus;
 
@@ -63,14 +65,20 @@ impl CudaDevice {
         if !self.early.on || self.armed.is_none() {
             return Ok(false);
         }
-        if drv("cuStreamIsCapturing", s.capture_status())? != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+        // Being captured, or a stream whose state cannot be read (a legacy stream while another captures): no copy
+        // that a graph could take in, for the rest of the step. A launch recorded into a graph may replay after the
+        // session (the control block then stays: the module's invariants).
+        if !matches!(s.capture_status(), Ok(CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)) {
             self.early.off();
+            self.recorded = true;
             return Ok(false);
         }
         if self.early.copied(slot) {
             // The launch overwrites the rows the early copy before it reads.
             drv("cuStreamWaitEvent", s.wait(&self.early.copied[slot]))?;
         }
+        // Copied again only once `after_launch` succeeds; until then the step's end copies the slot.
+        self.early.done[slot] = false;
         Ok(true)
     }
 

@@ -4,7 +4,7 @@ little on the CPU, so the step is host-bound there as an eager GPU decode step i
 step shows. (The CPU path copies rows in the hooks, which a GPU does with a launch: `capture` below is CPU-only.)
 
     python bench/cpu_decode.py [--modes plain,offline,prompt,outputs] [--repeat 2] [--requests 64] [--prompt 64]
-                               [--decode 96] [--profile]
+                               [--decode 96] [--profile] [--eager]
 
 Modes: plain (vLLM alone); offline (hscapture's worker, no connector: prompt rows only, decode steps capture
 nothing); prompt (its KV connector, prompt only); outputs (the connector with ``include_output_tokens``: every decode
@@ -85,6 +85,7 @@ def run(mode: str, model: str, out: str, a: argparse.Namespace, profile: str | N
         max_num_seqs=a.requests,
         enable_prefix_caching=False,
         seed=0,
+        enforce_eager=a.eager,
     )
     layers = {"layers": [0, 1, 2], "convention": "after"}
     if mode == "offline":
@@ -168,6 +169,7 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--decode", type=int, default=96)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--eager", action="store_true", help="enforce_eager: no torch.compile (as the H200's eager modes)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -191,6 +193,7 @@ def main() -> int:
             stats = str(work / f"{m}.pstats") if a.profile else None
             cmd = [sys.executable, __file__, "--child", m, "--model", model, "--out", str(work / f"out-{m}-{rep}")]
             cmd += ["--requests", str(a.requests), "--prompt", str(a.prompt), "--decode", str(a.decode)]
+            cmd += ["--eager"] if a.eager else []
             r = subprocess.run(cmd + (["--pstats", stats] if stats else []), env=env, capture_output=True, text=True)
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("CPU_DECODE ")]
             if r.returncode != 0 or not line:

@@ -255,7 +255,7 @@ impl DeviceBackend for CudaDevice {
         let data_base = self.arena.data_base(half) as u32;
         self.write_control(Control { arm, rows: rows as u32, data_base, half: half as u32 }, &s)?;
         self.next_half = (half + 1) % self.half_free.len();
-        self.early.arm(rows.saturating_mul(self.arena.row_bytes()), self.quantize);
+        self.early.policy.arm(rows.saturating_mul(self.arena.row_bytes()), self.quantize);
         self.armed = Some(Armed { half, rows, stream: s });
         Ok(())
     }
@@ -264,7 +264,7 @@ impl DeviceBackend for CudaDevice {
         let Some(a) = self.armed.take() else {
             return Ok(());
         };
-        self.early.off();
+        self.early.policy.off();
         self.kernel.bind().map_err(kerr)?;
         self.write_control(Control::DISARMED, &a.stream)
     }
@@ -336,7 +336,7 @@ impl DeviceBackend for CudaDevice {
         self.write_control(Control::DISARMED, &a.stream)?;
         guarded("cuEventRecord", || drv("cuEventRecord", self.forward_done.record(&a.stream))).map_err(kerr)?;
         self.copy_step(&a)?;
-        self.early.off();
+        self.early.policy.off();
         self.ring.end(&self.copy)
     }
 

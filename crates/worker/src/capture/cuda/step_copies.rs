@@ -65,7 +65,7 @@ impl CudaDevice {
                 if let Some((codes, _)) = arena.fp8.as_ref().filter(|_| quantize) {
                     let at = stat * w;
                     copy_to_pinned(copy, &part(codes, at..at + n * w, "fp8 codes").map_err(view)?, &mut host.data[slot])?;
-                } else if !early.copied(slot) {
+                } else if !early.policy.copied(slot) {
                     copy_to_pinned(copy, &arena.slot_rows(half, slot, n).map_err(view)?, &mut host.data[slot])?;
                 }
                 copy_to_pinned(copy, &part(&arena.sums, stat..stat + n, "checksums").map_err(view)?, &mut host.sums[slot])?;

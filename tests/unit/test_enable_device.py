@@ -22,6 +22,15 @@ class Session:
         return "compute_90"
 
 
+@pytest.fixture
+def vc(monkeypatch):
+    """A CUDA worker's vLLM configuration, with CUDA and NVRTC simulated."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda_libs, "preload_nvrtc", lambda: None)
+    return NS(device_config=NS(device_type="cuda"), scheduler_config=NS(max_num_batched_tokens=64))
+
+
 @pytest.mark.parametrize(
     "fmt,writer,out,fp8",
     [
@@ -31,67 +40,48 @@ class Session:
         ("fp8", True, None, False),
     ],
 )
-def test_fp8_is_quantized_on_the_device_only_by_the_rank_writing_fp8_files(monkeypatch, fmt, writer, out, fp8):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(cuda_libs, "preload_nvrtc", lambda: None)
+def test_fp8_is_quantized_on_the_device_only_by_the_rank_writing_fp8_files(vc, fmt, writer, out, fp8):
     cfg = CaptureConfig(layers=(1, 2), convention="after", out=out, format=fmt)
     session = Session()
-    vc = NS(device_config=NS(device_type="cuda"), scheduler_config=NS(max_num_batched_tokens=64))
     path = wiring.enable_device(session, cfg, writer, vc)
     assert (path.kind, path.fp8) == ("device", fp8)
     assert session.calls[0][1] == 64 and session.calls[0][4] is fp8
 
 
 @pytest.mark.parametrize("overlap,ring", [("0", 1), ("1", 2), ("2", 3)])
-def test_steps_kept_in_flight_size_the_ring(monkeypatch, overlap, ring):
+def test_steps_kept_in_flight_size_the_ring(monkeypatch, vc, overlap, ring):
     """Each step kept in flight holds a pinned buffer of its own (a verifying rank: no assembler ring)."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(cuda_libs, "preload_nvrtc", lambda: None)
     monkeypatch.setenv("HSCAPTURE_DEVICE_OVERLAP", overlap)
     session = Session()
-    vc = NS(device_config=NS(device_type="cuda"), scheduler_config=NS(max_num_batched_tokens=64))
     path = wiring.enable_device(session, CaptureConfig(layers=(1,), convention="after"), False, vc)
     assert (path.overlap, session.calls[0][2], session.calls[0][3]) == (int(overlap), ring, int(overlap))
 
 
 @pytest.mark.parametrize("mib,early", [(None, None), ("-1", None), ("0", 1), ("4", 4 << 20), (str(2**60), 2**60)])
-def test_early_copies_are_asked_for_by_size(monkeypatch, mib, early):
+def test_early_copies_are_asked_for_by_size(monkeypatch, vc, mib, early):
     """HSCAPTURE_EARLY_COPY_MIB reaches the device as bytes of rows per layer: unset or negative never, 0 every step,
     a huge value capped (the core's threshold is a usize)."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(cuda_libs, "preload_nvrtc", lambda: None)
     if mib is None:
         monkeypatch.delenv("HSCAPTURE_EARLY_COPY_MIB", raising=False)
     else:
         monkeypatch.setenv("HSCAPTURE_EARLY_COPY_MIB", mib)
     session = Session()
-    vc = NS(device_config=NS(device_type="cuda"), scheduler_config=NS(max_num_batched_tokens=64))
     wiring.enable_device(session, CaptureConfig(layers=(1,), convention="after"), True, vc)
     assert session.calls[0][6] == early
 
 
-def test_a_bad_early_copy_size_is_refused_not_a_fallback(monkeypatch):
+@pytest.mark.parametrize(
+    "var,value,message",
+    [
+        ("HSCAPTURE_DEVICE_OVERLAP", "3", "HSCAPTURE_DEVICE_OVERLAP=3 is not valid"),
+        ("HSCAPTURE_EARLY_COPY_MIB", "4MiB", "HSCAPTURE_EARLY_COPY_MIB"),  # refused, not a fallback to host copies
+    ],
+)
+def test_a_bad_device_setting_is_refused(monkeypatch, vc, var, value, message):
     from hscapture import ConfigError
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cuda_libs, "preload_nvrtc", lambda: None)
-    monkeypatch.setenv("HSCAPTURE_EARLY_COPY_MIB", "4MiB")
-    vc = NS(device_config=NS(device_type="cuda"), scheduler_config=NS(max_num_batched_tokens=64))
-    with pytest.raises(ConfigError, match="HSCAPTURE_EARLY_COPY_MIB"):
-        wiring.enable_device(Session(), CaptureConfig(layers=(1,), convention="after"), False, vc)
-
-
-def test_more_than_two_steps_in_flight_is_refused(monkeypatch):
-    from hscapture import ConfigError
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cuda_libs, "preload_nvrtc", lambda: None)
-    monkeypatch.setenv("HSCAPTURE_DEVICE_OVERLAP", "3")
-    vc = NS(device_config=NS(device_type="cuda"), scheduler_config=NS(max_num_batched_tokens=64))
-    with pytest.raises(ConfigError, match="HSCAPTURE_DEVICE_OVERLAP=3 is not valid"):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError, match=message):
         wiring.enable_device(Session(), CaptureConfig(layers=(1,), convention="after"), False, vc)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -161,6 +162,7 @@ def main() -> None:
                     if m not in best or r["tokens"] / r["seconds"] > best[m]["tokens"] / best[m]["seconds"]:
                         best[m] = r
             ratios(f"{name} best of {len(passes)}", best)
+            spread(name, passes)
 
 
 def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: dict) -> dict:
@@ -225,6 +227,20 @@ def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: di
             print(f"[{name}/{mode}] steps in which a part took over 1 ms [steps, ms]: {res['slow_steps']}", flush=True)
         subprocess.run(["rm", "-rf", str(run_out)])
     return results
+
+
+def spread(name: str, passes: list[dict]) -> None:
+    """Each mode's ratio to plain within each pass (the runs next to each other), as min / median / max over the
+    passes: the figure that holds when the machine drifts between passes."""
+    if not all("plain" in p for p in passes):
+        return
+    per_mode: dict[str, list[float]] = {}
+    for p in passes:
+        base = p["plain"]["tokens"] / p["plain"]["seconds"]
+        for m, r in p.items():
+            per_mode.setdefault(m, []).append(r["tokens"] / r["seconds"] / base)
+    cells = [f"{m} {min(xs):.3f}/{statistics.median(xs):.3f}/{max(xs):.3f}x" for m, xs in per_mode.items()]
+    print(f"== {name}, per pass vs plain in the same pass (min/median/max of {len(passes)}): " + ", ".join(cells))
 
 
 def ratios(label_base: str, results: dict) -> None:

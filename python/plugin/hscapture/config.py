@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _native, envs
+from .adapters import layer_output
 from .errors import ConfigError
 from .output import formats
 
@@ -60,6 +61,7 @@ class CaptureConfig:
     on_nonfinite: str = "error"
     compress: int = 0
     format: str = _native.DEFAULTS["format"]
+    layer_output: str = "auto"  # adapters/layer_output.py
     model_name: str = ""
     per_request: PerRequest | None = None  # the KV connector's output (connector.py); None: a capture directory
     sources: dict[str, str] = field(default_factory=dict, compare=False)
@@ -79,6 +81,7 @@ class CaptureConfig:
             "on_nonfinite": self.on_nonfinite,
             "compress": self.compress,
             "format": self.format,
+            "layer_output": self.layer_output,
         }
         if self.out is not None:
             d["out"] = self.out
@@ -163,6 +166,11 @@ def _coerce(key: str, value: Any, where: str):
             if v not in ("after", "before"):
                 raise ValueError
             return v
+        if key == "layer_output":
+            v = value.strip().lower()
+            if v not in layer_output.SETTINGS:
+                raise ValueError
+            return v
         if key == "dtype":
             v = value.strip().lower().removeprefix("torch.")
             v = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "float": "float32", "half": "float16"}.get(
@@ -179,6 +187,8 @@ def _coerce(key: str, value: Any, where: str):
             "durable": f'true or false (also yes/no, on/off, 1/0), or "{_native.DURABLE_WRITEBACK}"',
             "model_name": "the model's name, as text",
             "convention": '"after" or "before"',
+            "layer_output": '"auto" (read from each layer\'s forward), "sum" (hidden_states + residual) or "hidden" '
+            "(the layer's hidden_states alone)",
             "format": "one of "
             + ", ".join(
                 f"{f.name}{' (also ' + ', '.join(f.aliases) + ')' if f.aliases else ''}"

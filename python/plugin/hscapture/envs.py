@@ -35,6 +35,7 @@ SETTINGS = {
     "on_nonfinite": "HSCAPTURE_ON_NONFINITE",
     "compress": "HSCAPTURE_COMPRESS",
     "format": "HSCAPTURE_FORMAT",
+    "layer_output": "HSCAPTURE_LAYER_OUTPUT",
 }
 """additional_config["hscapture"] keys, each with the variable that gives the same setting."""
 
@@ -108,6 +109,15 @@ REGISTRY: dict[str, EnvVar] = {
             "error",
             "Samples with NaN/Inf values: `error` (a NonFiniteError naming sample, layer and count) or `skip` "
             "(not written; listed under `skipped` in the manifest with what was found).",
+        ),
+        EnvVar(
+            "HSCAPTURE_LAYER_OUTPUT",
+            "str",
+            "auto",
+            "What a decoder layer's output is: `auto` (read from each hooked layer's forward: `hidden_states + "
+            "residual` where it reads the residual it is given, vLLM's fused residual; its `hidden_states` alone where "
+            "it overwrites it first and returns the stream whole, as Command-R, Exaone 4, Granite 4, StableLM); `sum` or "
+            "`hidden` to say it for a layer whose forward hscapture cannot read (it refuses such a layer by name).",
         ),
         EnvVar(
             "HSCAPTURE_DEVICE_PATH",

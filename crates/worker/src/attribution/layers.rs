@@ -1,6 +1,6 @@
 //! Layer ids, the two conventions, and where in the model each id is captured.
 //!
-//! - `after`: id `i` = `hidden_states + residual` after decoder layer `i`; valid ids `0..N-1`
+//! - `after`: id `i` = the residual stream after decoder layer `i`; valid ids `0..N-1`
 //!   (speculators 0.3/0.4, "output of layer i").
 //! - `before`: id `i` = the input of decoder layer `i`; `0` = the embeddings, `N` = the output of the
 //!   last layer before the final norm; valid ids `0..=N` (vLLM's EAGLE-3 aux layers and
@@ -63,7 +63,8 @@ impl Convention {
 pub enum CapturePoint {
     /// The input of decoder layer 0 (the embeddings, after any scaling the model applies).
     Embeddings,
-    /// `hidden_states + residual` as returned by decoder layer `k` (0-based, global index).
+    /// The residual stream decoder layer `k` hands on (0-based, global index): `hidden_states + residual` for a
+    /// fused-residual layer, `hidden_states` for one that returns the stream whole (the plugin tells which).
     LayerOutput(usize),
 }
 

@@ -1,10 +1,11 @@
 """Hooks on a model's decoder layers: where each layer slot's tensor is taken.
 
-- ``("layer_output", k)``: a forward hook on decoder layer ``k``; the layer returns
-  ``(hidden_states, residual)`` (vLLM's fused-residual layers) or a tensor; the captured value is
-  their sum, read before the next layer's fused add-norm overwrites them in place.
+- ``("layer_output", k)``: a forward hook on decoder layer ``k``; the layer returns a tensor (the stream) or
+  ``(hidden_states, residual)``: their sum for vLLM's fused-residual layers, ``hidden_states`` alone for layers that
+  return the stream whole (``adapters/layer_output.py`` tells which from the layer's forward), read before the next
+  layer's fused add-norm overwrites them in place.
 - ``("embeddings", 0)``: a forward pre-hook on layer 0 reading its ``hidden_states`` argument (plus
-  ``residual`` if one is passed).
+  ``residual`` if one is passed and the layer reads it).
 
 Under torch.compile the same hooks are traced into the graph; the callbacks they get then call the
 custom ops of ``traced.py`` (see there).
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..adapters import layer_output
 from ..errors import CompatibilityError, ShapeContractError
 
 Capture = Callable[[int, torch.Tensor, "torch.Tensor | None"], None]
@@ -90,29 +92,34 @@ def _arg_index(layer: torch.nn.Module, name: str) -> int | None:
     return params.index(name) if name in params else None
 
 
-def _split_output(out: Any, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _split_output(out: Any, where: str, add_residual: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layer's output as (hidden, residual to add or None)."""
     if isinstance(out, torch.Tensor):
         return out, None
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        res = out[1] if len(out) > 1 and isinstance(out[1], torch.Tensor) else None
+        res = out[1] if add_residual and len(out) > 1 and isinstance(out[1], torch.Tensor) else None
         return out[0], res
     raise ShapeContractError(
         f"{where} returned {type(out).__name__}; expected a tensor or a (hidden_states, residual) tuple of tensors"
     )
 
 
-def install(layers: torch.nn.ModuleList, points: list[tuple[str, int]], capture: Capture) -> list[Any]:
-    """Registers one hook per slot; returns the handles (``handle.remove()`` undoes them)."""
+def install(
+    layers: torch.nn.ModuleList, points: list[tuple[str, int]], capture: Capture, output: str = "auto"
+) -> list[Any]:
+    """Registers one hook per slot; returns the handles (``handle.remove()`` undoes them). ``output``: the
+    ``layer_output`` setting (``auto``: each layer's rule read from its forward)."""
     handles = []
     for slot, (kind, k) in enumerate(points):
         layer = layers[k]
         if is_missing(layer):
             continue  # owned by another pipeline stage
         where = f"decoder layer {k} ({type(layer).__name__})"
+        add = layer_output.rule_for(layer, output) == "sum"
         if kind == "layer_output":
 
-            def post(_mod, _args, out, slot=slot, where=where):
-                h, r = _split_output(out, where)
+            def post(_mod, _args, out, slot=slot, where=where, add=add):
+                h, r = _split_output(out, where, add)
                 capture(slot, h, r)
 
             handles.append(layer.register_forward_hook(post))
@@ -121,9 +128,11 @@ def install(layers: torch.nn.ModuleList, points: list[tuple[str, int]], capture:
             if hi is None:
                 raise CompatibilityError(f"{where}: forward() has no `hidden_states` argument; cannot read its input")
 
+            ri = ri if add else None  # a residual the layer does not read is not part of its input
+
             def pre(_mod, args, kwargs, slot=slot, hi=hi, ri=ri, where=where):
                 h = kwargs.get("hidden_states", args[hi] if hi < len(args) else None)
-                r = kwargs.get("residual", args[ri] if ri is not None and ri < len(args) else None)
+                r = None if ri is None else kwargs.get("residual", args[ri] if ri < len(args) else None)
                 if not isinstance(h, torch.Tensor):
                     raise ShapeContractError(f"{where}: input hidden_states is {type(h).__name__}, expected a tensor")
                 capture(slot, h, r if isinstance(r, torch.Tensor) else None)

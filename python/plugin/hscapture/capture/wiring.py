@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .. import _native, envs
-from ..adapters import vllm_compat
+from ..adapters import layer_output, vllm_compat
 from ..adapters.parallel import refuse_stages_with_tp
 from ..adapters.requested import destination, max_growing_sample_mib
 from ..config import CaptureConfig
@@ -107,8 +107,11 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         order = vllm_compat.RunnerOrder(worker.model_runner)
         if ex.graphs:
             check_graphs(ex, path, pp_size, tp.size, order, vc)
+        outputs = layer_outputs(layers, points, cfg.layer_output)
         if ex.compiled:
             codes = trace_codes(vc, session)
+            if isinstance(getattr(vc, "additional_config", None), dict):  # what the taps are given: in the cache key
+                vc.additional_config["hscapture_layer_output"] = outputs
     except BaseException:
         session.finish()  # nothing stays active (as install_hooks leaves it on failure)
         raise
@@ -130,11 +133,12 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
     order.before_forward = cap.before_forward
     install_hooks(cap, layers, points)
     log.info(
-        "hscapture: capturing %s ids %s at %s (%d hooks; %s%s), tp rank %d/%d, pp rank %d/%d, writer=%s",
+        "hscapture: capturing %s ids %s at %s (%d hooks; %s; %s%s), tp rank %d/%d, pp rank %d/%d, writer=%s",
         cfg.convention,
         cap.layer_ids,
         name,
         len(cap.handles),
+        "; ".join(f"{cls}: {how}" for cls, how in outputs.items()),
         ex.describe(),
         ": traced into torch.compile's graph" if ex.compiled else "",
         tp.rank,
@@ -282,6 +286,19 @@ def trace_codes(vc: Any, session: Any) -> tuple[int, ...]:
     return codes
 
 
+def layer_outputs(layers: Any, points: list, setting: str) -> dict[str, str]:
+    """Per class of the decoder layers hooked here, what is captured as its output (``layer_output.rule_for``:
+    refused at start-up when it cannot be told)."""
+    out = {}
+    for _kind, k in points:
+        layer = layers[k]
+        if not hooks.is_missing(layer):
+            rule = layer_output.rule_for(layer, setting)
+            why = "set" if setting != "auto" else "read from its forward"
+            out[type(layer).__name__] = f"{'hidden_states + residual' if rule == 'sum' else 'hidden_states'} ({why})"
+    return out
+
+
 def install_hooks(cap: Any, layers: Any, points: list) -> None:
     """Eager: the hooks call the capture. Compiled: they call hscapture's ops (traced.py), each tap carrying
     its slot's capture point so that a graph built for other points (vLLM's compile cache) is refused
@@ -295,7 +312,7 @@ def install_hooks(cap: Any, layers: Any, points: list) -> None:
             codes = cap.traced_points
             on_capture = lambda slot, h, r, codes=codes: traced.tap(h, r, slot, codes[slot])  # noqa: E731
             on_positions = traced.positions
-        cap.handles = hooks.install(layers, points, on_capture)
+        cap.handles = hooks.install(layers, points, on_capture, cap.cfg.layer_output)
         if cap.tp.size > 1:  # a sharded residual stream exists only across TP ranks
             cap.handles += hooks.install_positions_probe(layers, on_positions)
         if compiled:

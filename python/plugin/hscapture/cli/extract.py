@@ -45,6 +45,7 @@ class ExtractOptions:
     tp: int = 1
     pp: int = 1
     on_nonfinite: str = "error"
+    layer_output: str = "auto"  # adapters/layer_output.py
     compress: int = 0
     dtype: str = "auto"
     store_dtype: str = "auto"
@@ -218,6 +219,7 @@ def _engine_kwargs(run: Run) -> dict:
         durable=opts.durable,
         model_name=str(opts.model),
         on_nonfinite=opts.on_nonfinite,
+        layer_output=opts.layer_output,
         compress=opts.compress,
         format=run.fmt.name,
     )

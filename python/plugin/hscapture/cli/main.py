@@ -100,6 +100,14 @@ def parser() -> argparse.ArgumentParser:
         "and list it in the manifest",
     )
     ex.add_argument(
+        "--layer-output",
+        default="auto",
+        choices=["auto", "sum", "hidden"],
+        help="what a decoder layer's output is: auto (read from the layer's forward: hidden_states + residual for "
+        "vLLM's fused-residual layers, hidden_states alone for layers that return the stream whole), or say it for a "
+        "layer hscapture cannot read: sum, hidden",
+    )
+    ex.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="the model's dtype in vLLM"
     )
     ex.add_argument(
@@ -219,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                     tp=args.tp,
                     pp=args.pp,
                     on_nonfinite=args.on_nonfinite,
+                    layer_output=args.layer_output,
                     compress=args.compress,
                     dtype=args.dtype,
                     store_dtype=args.store_dtype,

@@ -2,8 +2,9 @@
 
 ``demo`` uses ``deepseek_v3``: DeepSeek-V3-shaped (MLA attention dims of the real model, YaRN rope,
 a dense first layer then MoE with a shared expert and sigmoid ``noaux_tc`` routing), random weights.
-The tests also use ``llama``, ``deepseek_v2`` and ``qwen2_vl`` (Qwen2-VL, its vision tower as deep as the text
-model but narrower: the text model's layers must be the ones hooked).
+The tests also use ``llama``, ``deepseek_v2``, ``exaone4`` and ``stablelm`` (decoder layers that return the residual
+stream whole) and ``qwen2_vl`` (Qwen2-VL, its vision tower as deep as the text model but narrower: the text model's
+layers must be the ones hooked).
 Models are saved with ``save_pretrained``; a WordLevel tokenizer is added so that text prompts work too (for
 ``qwen2_vl`` with Qwen2-VL's vision tokens after the vocabulary, and its image and video processors).
 """
@@ -137,7 +138,8 @@ def _save_qwen2_vl_processor(path: Path, vision) -> None:
 
 
 def build(kind: str, path: str | Path, seed: int = 0, tokenizer: bool = True, dtype: str = "bfloat16") -> Path:
-    """Builds tiny model ``kind`` (``llama``, ``deepseek_v2``, ``deepseek_v3``, ``qwen2_vl``) at ``path``, weights saved
+    """Builds tiny model ``kind`` (``llama``, ``deepseek_v2``, ``deepseek_v3``, ``exaone4``, ``stablelm``, ``qwen2_vl``)
+    at ``path``, weights saved
     in ``dtype`` (what ``dtype="auto"`` loads); returns the path. Reuses an identical earlier build.
     """
     path = Path(path)
@@ -196,13 +198,38 @@ def _build(kind: str, path: Path, seed: int, tokenizer: bool, dtype: str) -> Non
         model = tf.DeepseekV3ForCausalLM(cfg)
         # transformers does not write these; vLLM (like the real config.json) needs them.
         extra = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    elif kind in ("exaone4", "stablelm"):
+        # Layers that return the residual stream whole, with a stale intermediate beside it (Exaone 4: taking a
+        # residual argument it overwrites; StableLM: taking none): their output is hidden_states alone.
+        common = dict(
+            vocab_size=VOCAB,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=3,
+            tie_word_embeddings=False,
+        )
+        if kind == "exaone4":
+            cfg = tf.Exaone4Config(**common, sliding_window=16)
+            model = tf.Exaone4ForCausalLM(cfg)
+        else:
+            cfg = tf.StableLmConfig(**common)
+            model = tf.StableLmForCausalLM(cfg)
+        extra = {}
     elif kind == "qwen2_vl":
         cfg = _qwen2_vl_config()
         model = tf.Qwen2VLForConditionalGeneration(cfg)
         # transformers 4.x writes `architectures` into text_config only; vLLM reads it at the top, like real configs.
         extra = {"architectures": ["Qwen2VLForConditionalGeneration"]}
     else:
-        raise ValueError(f"unknown tiny model {kind!r}; expected llama, deepseek_v2, deepseek_v3 or qwen2_vl")
+        raise ValueError(
+            f"unknown tiny model {kind!r}; expected llama, deepseek_v2, deepseek_v3, exaone4, stablelm or qwen2_vl"
+        )
     _randomize_buffers(model)
     model.to(getattr(torch, dtype)).save_pretrained(str(path))
     if extra:

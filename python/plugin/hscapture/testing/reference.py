@@ -26,11 +26,20 @@ def compute(
     import torch
     from transformers import AutoModelForCausalLM
 
+    from ..capture.hooks import find_decoder_layers
+
     model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=getattr(torch, dtype))
     model.eval()
     n = model.config.num_hidden_layers
     points = _native.capture_points(layer_ids, convention, n)
-    layers = model.model.layers
+    inner = getattr(model, "model", None)
+    # HF's own place for the layers; other layouts (GPT-2's transformer.h, OPT's model.decoder.layers) found as the
+    # plugin finds vLLM's
+    layers = (
+        inner.layers
+        if isinstance(getattr(inner, "layers", None), torch.nn.ModuleList)
+        else find_decoder_layers(model, n)[1]
+    )
     grabbed: dict[int, torch.Tensor] = {}
     handles = []
     for slot, (kind, k) in enumerate(points):

@@ -1,0 +1,154 @@
+"""Decoder families against HF on vLLM for CPU: for each, a tiny random float32 model built from its transformers
+config, captured by `hscapture extract` (32-token steps, so prefill is chunked) and compared token by token with
+transformers' own forward (relative error <= 1e-3). What docs/compatibility.md's sweep rows were run with.
+
+    .venv-newest/bin/python scripts/family_sweep.py [--families qwen3,exaone4,...] [--convention after]
+                                                    [--compiled] [--dir /tmp/family-sweep]
+
+One line per family: OK / MISMATCH (worst relative error and where: sample, token, slot) / ERROR (vLLM could not load
+or run the model: check it without hscapture before blaming the capture). Slow: ~25 s a family on 2 cores."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+import traceback
+from pathlib import Path
+
+# family: (transformers config class, what differs from BASE)
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", dict(head_dim=32)),
+    "mistral": ("MistralConfig", {}),
+    "gemma2": (
+        "Gemma2Config",
+        dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=16, tie_word_embeddings=True),
+    ),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=16)),
+    "phi3": ("Phi3Config", {}),
+    "olmo2": ("Olmo2Config", {}),
+    "granite": (
+        "GraniteConfig",
+        dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0),
+    ),
+    "glm4": ("Glm4Config", dict(head_dim=32, partial_rotary_factor=0.5)),
+    "starcoder2": ("Starcoder2Config", {}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1),
+    ),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "gpt_oss": ("GptOssConfig", dict(head_dim=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=16)),
+    "flex_olmo": ("FlexOlmoConfig", dict(num_experts=8, num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=2)),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=128),
+    ),
+    "granitemoe": ("GraniteMoeConfig", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "nemotron": ("NemotronConfig", dict(partial_rotary_factor=0.5)),
+    "gpt2": ("GPT2Config", dict(n_embd=128, n_layer=4, n_head=4, n_positions=2048)),
+    "opt": ("OPTConfig", dict(ffn_dim=256, word_embed_proj_dim=128, do_layer_norm_before=True)),
+    "falcon": ("FalconConfig", dict(new_decoder_architecture=True, num_kv_heads=2, parallel_attn=True)),
+    "gptj": ("GPTJConfig", dict(n_embd=128, n_layer=4, n_head=4, rotary_dim=16, n_positions=2048)),
+    "phi": ("PhiConfig", dict(partial_rotary_factor=0.5)),
+    # layers that return the residual stream whole beside a stale intermediate (adapters/layer_output.py)
+    "cohere": ("CohereConfig", {}),
+    "cohere2": ("Cohere2Config", dict(sliding_window=16)),
+    "exaone4": ("Exaone4Config", dict(sliding_window=16)),
+    "stablelm": ("StableLmConfig", {}),
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        dict(num_local_experts=8, num_experts_per_tok=2, layer_types=["attention"] * 4),
+    ),
+}
+BASE = dict(
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=3,
+    tie_word_embeddings=False,
+)
+
+
+def build(family: str, path: Path) -> Path:
+    """The family's tiny model at ``path`` (reused if there), weights ~N(0, 0.05) so that every layer moves the
+    stream visibly."""
+    import torch
+    import transformers as tf
+
+    from hscapture.testing import tiny
+
+    if (path / "config.json").exists():
+        return path
+    cls, extra = FAMILIES[family]
+    cfg = getattr(tf, cls)(**{**BASE, **extra})
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.05)
+    model.save_pretrained(str(path))
+    tiny._save_tokenizer(path)
+    return path
+
+
+def check(family: str, root: Path, convention: str, compiled: bool) -> str:
+    from hscapture import load_sample
+    from hscapture.cli.extract import ExtractOptions, run_extract
+    from hscapture.testing import reference
+    from hscapture.testing.compare import compare
+
+    model = str(build(family, root / "models" / family))
+    rng = random.Random(1)
+    prompts = [[rng.randrange(4, 1024) for _ in range(n)] for n in (5, 40, 77, 12, 64, 1)]
+    work = root / f"{family}-{convention}-{'compiled' if compiled else 'eager'}-{time.time_ns()}"
+    opts = ExtractOptions(
+        model=model,
+        prompts=prompts,
+        out=str(work / "out"),
+        convention=convention,
+        layers=[0, 1, 3],
+        dtype="float32",
+        max_num_batched_tokens=32,
+        progress=False,
+        durable=False,
+        compile=compiled,
+    )
+    rep = run_extract(opts)
+    got = [load_sample(work / "out" / "hidden_states" / f"hs_{i}.safetensors") for i in range(len(prompts))]
+    ref = reference.compute_subprocess(model, prompts, list(rep.layer_ids), convention, work / "ref")
+    c = compare([s["hidden_states"] for s in got], ref)
+    return f"{'OK' if c.ok(1e-3) else 'MISMATCH'} worst {c.worst:.2e} at {c.where}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--convention", default="after", choices=["after", "before"])
+    ap.add_argument("--compiled", action="store_true", help="vLLM's torch.compile on (default: eager)")
+    ap.add_argument("--dir", default="/tmp/family-sweep")
+    a = ap.parse_args()
+    root = Path(a.dir)
+    for family in a.families.split(","):
+        t = time.time()
+        try:
+            verdict = check(family, root, a.convention, a.compiled)
+        except Exception as e:  # noqa: BLE001 - one family's failure is that family's line
+            traceback.print_exc()
+            verdict = f"ERROR {type(e).__name__}: {str(e)[:300]}"
+        mode = "compiled" if a.compiled else "eager"
+        print(f"SWEEP {family} ({a.convention}, {mode}): {verdict} ({time.time() - t:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

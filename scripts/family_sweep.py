@@ -16,7 +16,7 @@ import time
 import traceback
 from pathlib import Path
 
-# family: (transformers config class, what differs from BASE)
+# family: (transformers config class, what differs from tiny.dense())
 FAMILIES = {
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {}),
@@ -64,19 +64,6 @@ FAMILIES = {
         dict(num_local_experts=8, num_experts_per_tok=2, layer_types=["attention"] * 4),
     ),
 }
-BASE = dict(
-    vocab_size=1024,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=3,
-    tie_word_embeddings=False,
-)
 
 
 def build(family: str, path: Path) -> Path:
@@ -90,7 +77,7 @@ def build(family: str, path: Path) -> Path:
     if (path / "config.json").exists():
         return path
     cls, extra = FAMILIES[family]
-    cfg = getattr(tf, cls)(**{**BASE, **extra})
+    cfg = getattr(tf, cls)(**{**tiny.dense(), **extra})
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():

@@ -32,6 +32,23 @@ YARN = {
 }
 
 
+def dense() -> dict:
+    """The shape the tiny dense decoders share (hidden 128, 4 layers, 4 heads over 2 KV heads), as config keys."""
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+    )
+
+
 def _deepseek_common() -> dict:
     return dict(
         vocab_size=VOCAB,
@@ -173,20 +190,7 @@ def _build(kind: str, path: Path, seed: int, tokenizer: bool, dtype: str) -> Non
 
     torch.manual_seed(seed)
     if kind == "llama":
-        cfg = tf.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            max_position_embeddings=2048,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=3,
-            tie_word_embeddings=False,
-        )
+        cfg = tf.LlamaConfig(**dense(), head_dim=64)
         model = tf.LlamaForCausalLM(cfg)
         extra = {}
     elif kind == "deepseek_v2":
@@ -201,24 +205,11 @@ def _build(kind: str, path: Path, seed: int, tokenizer: bool, dtype: str) -> Non
     elif kind in ("exaone4", "stablelm"):
         # Layers that return the residual stream whole, with a stale intermediate beside it (Exaone 4: taking a
         # residual argument it overwrites; StableLM: taking none): their output is hidden_states alone.
-        common = dict(
-            vocab_size=VOCAB,
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=2048,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=3,
-            tie_word_embeddings=False,
-        )
         if kind == "exaone4":
-            cfg = tf.Exaone4Config(**common, sliding_window=16)
+            cfg = tf.Exaone4Config(**dense(), sliding_window=16)
             model = tf.Exaone4ForCausalLM(cfg)
         else:
-            cfg = tf.StableLmConfig(**common)
+            cfg = tf.StableLmConfig(**dense())
             model = tf.StableLmForCausalLM(cfg)
         extra = {}
     elif kind == "qwen2_vl":

@@ -117,7 +117,8 @@ REGISTRY: dict[str, EnvVar] = {
             "What a decoder layer's output is: `auto` (read from each hooked layer's forward: `hidden_states + "
             "residual` where it reads the residual it is given, vLLM's fused residual; its `hidden_states` alone where "
             "it overwrites it first and returns the stream whole, as Command-R, Exaone 4, Granite 4, StableLM); `sum` or "
-            "`hidden` to say it for a layer whose forward hscapture cannot read (it refuses such a layer by name).",
+            "`hidden`: every hooked layer so, for a model whose layers' forward hscapture cannot read (it refuses those "
+            "by name under `auto`).",
         ),
         EnvVar(
             "HSCAPTURE_DEVICE_PATH",

@@ -30,7 +30,7 @@ from ..errors import CompatibilityError, ConfigError
 
 RULES = ("sum", "hidden")
 SETTINGS = ("auto", *RULES)
-_SET = "set layer_output (additional_config, HSCAPTURE_LAYER_OUTPUT or --layer-output) to"
+_SET = 'set layer_output (additional_config["hscapture"]["layer_output"], HSCAPTURE_LAYER_OUTPUT or --layer-output) to'
 
 
 def _mentions(node: ast.AST, name: str) -> list[ast.Name]:
@@ -40,12 +40,13 @@ def _mentions(node: ast.AST, name: str) -> list[ast.Name]:
 def _first_use(body: list[ast.stmt], name: str) -> str | None:
     """How the function body first uses ``name``: ``"read"`` (a statement that may read it before any assignment),
     ``"assigned"`` (a statement at the top of the body that assigns it from an expression not reading it), ``"unclear"``
-    (any other first mention: an assignment inside a branch, a loop target, ``del``...), or None (never used)."""
+    (any other first mention: an assignment inside a branch, a loop target, ``del``...), or None (never used).
+    An ``assert`` computes nothing the layer returns: it is passed over."""
     for stmt in body:
         uses = _mentions(stmt, name)
-        if not uses:
+        if not uses or isinstance(stmt, ast.Assert):
             continue
-        if any(isinstance(u.ctx, ast.Load) for u in uses):
+        if isinstance(stmt, ast.AugAssign) or any(isinstance(u.ctx, ast.Load) for u in uses):
             return "read"  # `if residual is None`, `norm(x, residual)`, `residual += x`, ...
         if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None and not _mentions(stmt.value, name):
             return "assigned"
@@ -78,7 +79,10 @@ def _rule_of_class(cls: type) -> tuple[str | None, str]:
         return "sum", f"{owner} reads the residual it is given: the stream is hidden_states + residual"
     if use in ("assigned", None):
         return "hidden", f"{owner} overwrites its residual argument before reading it: it returns the stream whole"
-    return None, f"{owner} first assigns its residual argument inside a branch or loop"
+    return None, (
+        f"{owner} first uses its residual argument in a statement hscapture does not read (an assignment inside a "
+        "branch or loop, `del`, ...)"
+    )
 
 
 def rule_for(layer: Any, setting: str = "auto") -> str:
@@ -96,8 +100,3 @@ def rule_for(layer: Any, setting: str = "auto") -> str:
             f"whichever this model's layers follow"
         )
     return rule
-
-
-def why(layer: Any) -> str:
-    """The reason ``rule_for(layer)`` decided as it did, for the log."""
-    return _rule_of_class(type(layer))[1]

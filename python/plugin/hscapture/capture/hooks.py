@@ -5,7 +5,7 @@
   return the stream whole (``adapters/layer_output.py`` tells which from the layer's forward), read before the next
   layer's fused add-norm overwrites them in place.
 - ``("embeddings", 0)``: a forward pre-hook on layer 0 reading its ``hidden_states`` argument (plus
-  ``residual`` if one is passed and the layer reads it).
+  ``residual`` if one is passed: vLLM passes none to layer 0).
 
 Under torch.compile the same hooks are traced into the graph; the callbacks they get then call the
 custom ops of ``traced.py`` (see there).
@@ -115,8 +115,8 @@ def install(
         if is_missing(layer):
             continue  # owned by another pipeline stage
         where = f"decoder layer {k} ({type(layer).__name__})"
-        add = layer_output.rule_for(layer, output) == "sum"
         if kind == "layer_output":
+            add = layer_output.rule_for(layer, output) == "sum"
 
             def post(_mod, _args, out, slot=slot, where=where, add=add):
                 h, r = _split_output(out, where, add)
@@ -128,11 +128,9 @@ def install(
             if hi is None:
                 raise CompatibilityError(f"{where}: forward() has no `hidden_states` argument; cannot read its input")
 
-            ri = ri if add else None  # a residual the layer does not read is not part of its input
-
             def pre(_mod, args, kwargs, slot=slot, hi=hi, ri=ri, where=where):
                 h = kwargs.get("hidden_states", args[hi] if hi < len(args) else None)
-                r = None if ri is None else kwargs.get("residual", args[ri] if ri < len(args) else None)
+                r = kwargs.get("residual", args[ri] if ri is not None and ri < len(args) else None)
                 if not isinstance(h, torch.Tensor):
                     raise ShapeContractError(f"{where}: input hidden_states is {type(h).__name__}, expected a tensor")
                 capture(slot, h, r if isinstance(r, torch.Tensor) else None)

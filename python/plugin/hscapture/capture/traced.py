@@ -13,6 +13,8 @@ code: ``k`` for the output of decoder layer ``k``, -1 for the embeddings): vLLM 
 cache in a later process, keyed by a hash of the configuration. The ops call the one capture *active* in this
 process, whose core checks each tap's point against its own settings (a graph cached by a run with other settings is
 refused, not trusted); a graph that outlives its capture (the hooks cannot be taken out of it) then does nothing.
+Whether a tap is given the layer's residual (``adapters/layer_output.py``) is baked into the graph and not carried by
+the tap: it is put in the configuration vLLM hashes for its compile cache instead (``wiring.py``), with the points.
 
 Under CUDA graphs the ops' Python runs when vLLM captures a graph (and for batches no graph covers); what the
 capture needs at every replay is the device launch it made then (``worker_capture.py``, ``cuda/mod.rs``).

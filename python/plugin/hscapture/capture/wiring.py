@@ -138,7 +138,12 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         cap.layer_ids,
         name,
         len(cap.handles),
-        "; ".join(f"{cls}: {how}" for cls, how in outputs.items()),
+        "; ".join(
+            f"{layer_cls}: {'hidden_states + residual' if rule == 'sum' else 'hidden_states'}"
+            f" ({'set' if cfg.layer_output != 'auto' else 'read from its forward'})"
+            for layer_cls, rule in outputs.items()
+        )
+        or "no layer output hooked here",
         ex.describe(),
         ": traced into torch.compile's graph" if ex.compiled else "",
         tp.rank,
@@ -287,16 +292,13 @@ def trace_codes(vc: Any, session: Any) -> tuple[int, ...]:
 
 
 def layer_outputs(layers: Any, points: list, setting: str) -> dict[str, str]:
-    """Per class of the decoder layers hooked here, what is captured as its output (``layer_output.rule_for``:
+    """Per class of the decoder layers whose output is hooked here, ``sum`` or ``hidden`` (``layer_output.rule_for``:
     refused at start-up when it cannot be told)."""
-    out = {}
-    for _kind, k in points:
-        layer = layers[k]
-        if not hooks.is_missing(layer):
-            rule = layer_output.rule_for(layer, setting)
-            why = "set" if setting != "auto" else "read from its forward"
-            out[type(layer).__name__] = f"{'hidden_states + residual' if rule == 'sum' else 'hidden_states'} ({why})"
-    return out
+    return {
+        type(layers[k]).__name__: layer_output.rule_for(layers[k], setting)
+        for kind, k in points
+        if kind == "layer_output" and not hooks.is_missing(layers[k])
+    }
 
 
 def install_hooks(cap: Any, layers: Any, points: list) -> None:

@@ -104,8 +104,8 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", "sum", "hidden"],
         help="what a decoder layer's output is: auto (read from the layer's forward: hidden_states + residual for "
-        "vLLM's fused-residual layers, hidden_states alone for layers that return the stream whole), or say it for a "
-        "layer hscapture cannot read: sum, hidden",
+        "vLLM's fused-residual layers, hidden_states alone for layers that return the stream whole); sum or hidden: "
+        "every hooked layer so, for layers whose forward hscapture cannot read",
     )
     ex.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="the model's dtype in vLLM"

@@ -90,3 +90,27 @@ def test_kill_and_resume_gives_the_uninterrupted_files(tmp_path, tiny_model):
     f.write_bytes(f.read_bytes()[:-10])
     v = subprocess.run(CMD + ["verify", str(cut)], capture_output=True, text=True)
     assert v.returncode == 1 and "sample 3" in v.stdout and "truncated" in v.stdout
+
+
+def test_a_capture_summed_before_the_rule_was_recorded_is_not_continued_as_hidden(tmp_path, tiny_model):
+    """Exaone 4's layers return the stream whole (adapters/layer_output.py). A capture of it by an hscapture that
+    summed what they return, whose ledger has no rule (read as `sum`), is not continued with files of the other rule:
+    the workers refuse its journal, naming the difference. A fresh capture's manifest records the rule."""
+    model = tiny_model("exaone4", "float32")
+    ps = prompts(7, lengths=(5, 40, 12))
+    inp = tmp_path / "p.jsonl"
+    inp.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in ps[:2]))
+    out = tmp_path / "out"
+    r = subprocess.run(extract_args(model, inp, out), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((out / "manifest.json").read_text())["layer_output"] == "hidden"
+    # As an earlier hscapture left it: no rule in the journal's identity line (nor in the manifest).
+    journal = out / "records.jsonl"
+    text = journal.read_text()
+    assert ',"layer_output":"hidden"' in text
+    journal.write_text(text.replace(',"layer_output":"hidden"', "", 1))
+    (out / "manifest.json").unlink()
+    inp.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in ps))
+    r = subprocess.run(extract_args(model, inp, out, "--resume"), capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "layer output: sum vs hidden" in r.stderr, r.stderr[-3000:]

@@ -67,6 +67,7 @@ fn run_writer(root: &Path, threads: usize, samples: Vec<Sample>) -> Result<f64, 
         dtype: "bfloat16".into(),
         hidden_size: WIDTH,
         num_hidden_layers: SLOTS,
+        layer_output: Identity::summed(),
     };
     let t = Instant::now();
     let format = by_name("hscapture", None).map_err(|e| e.to_string())?;

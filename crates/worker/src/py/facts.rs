@@ -77,9 +77,10 @@ fn layer_ids_in(ids: Vec<usize>, convention: &str, to: &str) -> PyResult<Vec<Opt
 }
 
 /// A capture's identity (what its journal, manifest and every file record), its stored dtype the format's for
-/// states of `dtype` (`auto`: vLLM's choice, known at start-up, unless the format fixes it).
+/// states of `dtype` (`auto`: vLLM's choice, known at start-up, unless the format fixes it); `layer_output` the
+/// rule the hooks follow (`auto` for a driver: known once the workers have the model).
 #[pyfunction]
-#[pyo3(signature = (format, model, layer_ids, convention, dtype, hidden_size, num_hidden_layers))]
+#[pyo3(signature = (format, model, layer_ids, convention, dtype, hidden_size, num_hidden_layers, layer_output="auto"))]
 #[allow(clippy::too_many_arguments)]
 fn capture_identity<'py>(
     py: Python<'py>,
@@ -90,6 +91,7 @@ fn capture_identity<'py>(
     dtype: &str,
     hidden_size: usize,
     num_hidden_layers: usize,
+    layer_output: &str,
 ) -> PyResult<Bound<'py, PyDict>> {
     guard("capture_identity", || {
         let f = by_name(format, None)?;
@@ -100,7 +102,9 @@ fn capture_identity<'py>(
             (None, name) => f.stored_dtype(parse_dtype(name, "dtype")?).to_string(),
         };
         let convention = Convention::parse(convention)?.name().to_string();
-        let id = Identity { format: f.name().into(), model, layer_ids, convention, dtype: stored, hidden_size, num_hidden_layers };
+        let layer_output = layer_output.to_string();
+        let id =
+            Identity { format: f.name().into(), model, layer_ids, convention, dtype: stored, hidden_size, num_hidden_layers, layer_output };
         identity_dict(py, &id)
     })
 }

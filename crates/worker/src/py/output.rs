@@ -9,6 +9,7 @@ use pyo3::types::PyDict;
 use super::errors::guard;
 use super::store::PyStore;
 use crate::output::atomic::Durability;
+use crate::output::ledger::record::Identity;
 use crate::output::sinks::staging::SlowDisk;
 use crate::worker::{defaults, Destination, Files, OutputSettings};
 
@@ -118,13 +119,14 @@ fn destination(d: &Bound<'_, PyDict>, opened: bool) -> PyResult<Destination> {
 #[pymethods]
 impl Output {
     #[new]
-    #[pyo3(signature = (destination=None, *, writer_threads=4, writer_queue=defaults::WRITER_QUEUE, model=String::new(), max_growing_sample_mib=defaults::MAX_GROWING_SAMPLE_MIB))]
+    #[pyo3(signature = (destination=None, *, writer_threads=4, writer_queue=defaults::WRITER_QUEUE, model=String::new(), max_growing_sample_mib=defaults::MAX_GROWING_SAMPLE_MIB, layer_output=Identity::summed()))]
     fn new(
         destination: Option<&Bound<'_, PyDict>>,
         writer_threads: usize,
         writer_queue: usize,
         model: String,
         max_growing_sample_mib: u64,
+        layer_output: String,
     ) -> PyResult<Self> {
         guard("Output()", || {
             let destination = match destination {
@@ -132,7 +134,8 @@ impl Output {
                 None => Destination::Memory,
             };
             let max_growing_sample = mib(max_growing_sample_mib, "a growing sample bound")?;
-            let settings = OutputSettings { destination, model, threads: writer_threads, queue: writer_queue, max_growing_sample };
+            let settings =
+                OutputSettings { destination, model, layer_output, threads: writer_threads, queue: writer_queue, max_growing_sample };
             Ok(Output { settings })
         })
     }

@@ -25,7 +25,7 @@ fn out(root: Option<PathBuf>) -> OutputSettings {
         Some(r) => Destination::Directory(files(&r)),
         None => Destination::Memory,
     };
-    OutputSettings { destination, model: "m".into(), threads: 2, queue: 2, max_growing_sample: u64::MAX }
+    OutputSettings { destination, model: "m".into(), layer_output: "sum".into(), threads: 2, queue: 2, max_growing_sample: u64::MAX }
 }
 
 /// Per-request files under `root`, at most `backlog` bytes of finished samples waiting for them at a release.

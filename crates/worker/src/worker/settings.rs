@@ -13,6 +13,8 @@ pub struct OutputSettings {
     pub destination: Destination,
     /// The model as the capture's identity names it.
     pub model: String,
+    /// The layer-output rule as the capture's identity names it (`Identity::layer_output`).
+    pub layer_output: String,
     /// Writer threads, and the samples that may wait for them before the capture blocks.
     pub threads: usize,
     pub queue: usize,
@@ -24,7 +26,14 @@ pub struct OutputSettings {
 impl OutputSettings {
     /// Completed samples kept in memory (`take_samples`): nothing is written.
     pub fn in_memory() -> OutputSettings {
-        OutputSettings { destination: Destination::Memory, model: String::new(), threads: 1, queue: 1, max_growing_sample: u64::MAX }
+        OutputSettings {
+            destination: Destination::Memory,
+            model: String::new(),
+            layer_output: Identity::summed(),
+            threads: 1,
+            queue: 1,
+            max_growing_sample: u64::MAX,
+        }
     }
 
     /// The bound on a growing sample of `slots` × `width` values in `dtype` per row, as this destination stores
@@ -59,6 +68,7 @@ pub fn identity(cfg: &SessionConfig, out: &OutputSettings, format: &dyn Format) 
         dtype: format.stored_dtype(cfg.out_dtype).into(),
         hidden_size: cfg.hidden_size,
         num_hidden_layers: cfg.layers.num_hidden_layers,
+        layer_output: out.layer_output.clone(),
     }
 }
 

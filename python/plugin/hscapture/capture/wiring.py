@@ -57,6 +57,9 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
     vllm_compat.refuse_prompt_embeds(vc.model_config)  # likewise
     writer = tp.rank == 0 and pp_rank == pp_size - 1  # the last stage assembles (pipeline.py)
     out_dtype = model_dtype if cfg.dtype == "auto" else cfg.dtype
+    # What each hooked layer's output is, before anything is opened: the capture's identity records it.
+    name, layers = hooks.find_decoder_layers(worker.get_model(), n_layers)
+    outputs = layer_outputs(layers, _native.capture_points(list(layer_ids), cfg.convention, n_layers), cfg.layer_output)
     dest = destination(cfg)
     store = None
     if dest["kind"] == "store" and not writer:
@@ -71,6 +74,7 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         writer_queue=cfg.writer_queue,
         model=cfg.model_name or model,
         max_growing_sample_mib=max_growing_sample_mib(),
+        layer_output=identity_rule(outputs),
     )
     staging = dest["kind"] == "staging"
     if staging and (envs.get("HSCAPTURE_TEST_STAGING_DELAY_MS") > 0 or envs.get("HSCAPTURE_TEST_STAGING_HOLD")):
@@ -86,8 +90,7 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
     if writer and ring:
         session.set_background(ring)
     sync = RankSync(tp, int(getattr(worker, "rank", 0)), cfg.out)
-    name, layers = hooks.find_decoder_layers(worker.get_model(), n_layers)
-    points = cls.points_of(session)
+    points = cls.points_of(session)  # the same points, unless a subclass moves them (the fault tests do)
     link = None
     if pp_size > 1:
         from .pipeline import StageLink
@@ -107,7 +110,6 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         order = vllm_compat.RunnerOrder(worker.model_runner)
         if ex.graphs:
             check_graphs(ex, path, pp_size, tp.size, order, vc)
-        outputs = layer_outputs(layers, points, cfg.layer_output)
         if ex.compiled:
             codes = trace_codes(vc, session)
             if isinstance(getattr(vc, "additional_config", None), dict):  # what the taps are given: in the cache key
@@ -299,6 +301,13 @@ def layer_outputs(layers: Any, points: list, setting: str) -> dict[str, str]:
         for kind, k in points
         if kind == "layer_output" and not hooks.is_missing(layers[k])
     }
+
+
+def identity_rule(outputs: dict[str, str]) -> str:
+    """The rules of this stage's hooked layers as the capture's identity records them: `sum`, `hidden`, or
+    `hidden+sum` (a hybrid model hooked on layers of both kinds); `sum` where none is hooked (what every capture
+    stored before the rule was recorded)."""
+    return "+".join(sorted(set(outputs.values()))) or "sum"
 
 
 def install_hooks(cap: Any, layers: Any, points: list) -> None:

@@ -12,7 +12,7 @@ from .report import ExtractReport
 from .run import Run
 
 # The capture's identity as the core writes it (its journal's first line, a finish result's keys).
-_IDENTITY = ("format", "model", "layer_ids", "convention", "dtype", "hidden_size", "num_hidden_layers")
+_IDENTITY = ("format", "model", "layer_ids", "convention", "dtype", "hidden_size", "num_hidden_layers", "layer_output")
 
 
 def finish(run: Run, w: dict | None, seconds: float, shims: list[str]) -> ExtractReport:

@@ -14,6 +14,7 @@ fn identity() -> Identity {
         dtype: "float8_e4m3fn".into(),
         hidden_size: 4,
         num_hidden_layers: 8,
+        layer_output: "sum".into(),
     }
 }
 

@@ -41,6 +41,9 @@ pub struct Manifest {
     pub model_dtype: Option<String>,
     pub hidden_size: usize,
     pub num_hidden_layers: usize,
+    /// What each captured layer's output is (`Identity::layer_output`); `sum` in manifests from before it was recorded.
+    #[serde(default = "Identity::summed")]
+    pub layer_output: String,
     #[serde(default)]
     pub tensor_parallel_size: usize,
     #[serde(default)]
@@ -81,6 +84,7 @@ impl Manifest {
             model_dtype,
             hidden_size: identity.hidden_size,
             num_hidden_layers: identity.num_hidden_layers,
+            layer_output: identity.layer_output.clone(),
             tensor_parallel_size,
             created_by,
             samples,
@@ -133,6 +137,7 @@ impl Manifest {
             dtype: self.dtype.clone(),
             hidden_size: self.hidden_size,
             num_hidden_layers: self.num_hidden_layers,
+            layer_output: self.layer_output.clone(),
         }
     }
 

@@ -19,9 +19,20 @@ pub struct Identity {
     pub dtype: String,
     pub hidden_size: usize,
     pub num_hidden_layers: usize,
+    /// What each captured layer's output is: `sum` (`hidden_states + residual`, vLLM's fused residual), `hidden`
+    /// (the layer returns the stream whole), `hidden+sum` (both kinds hooked), or `auto` (a driver that has not seen
+    /// the model: the workers check it when they open the journal). A capture recorded before there was a rule
+    /// stored `sum`.
+    #[serde(default = "Identity::summed")]
+    pub layer_output: String,
 }
 
 impl Identity {
+    /// What every capture stored before the rule was recorded.
+    pub fn summed() -> String {
+        "sum".into()
+    }
+
     /// What differs between `self` (found) and `other` (this run), one `key: found vs this run` each.
     pub fn differences(&self, other: &Identity) -> Vec<String> {
         let mut out = Vec::new();
@@ -37,6 +48,7 @@ impl Identity {
         cmp("stored dtype", self.dtype.clone(), other.dtype.clone());
         cmp("hidden size", self.hidden_size.to_string(), other.hidden_size.to_string());
         cmp("decoder layers", self.num_hidden_layers.to_string(), other.num_hidden_layers.to_string());
+        cmp("layer output", self.layer_output.clone(), other.layer_output.clone());
         out
     }
 }

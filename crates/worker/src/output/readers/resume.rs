@@ -81,9 +81,13 @@ pub fn plan(root: &Path, identity: &Identity) -> CoreResult<Plan> {
     let (found, records, notes) = ledger(root)?;
     let mut out = Plan { recapture: notes, ..Default::default() };
     if let Some(found) = &found {
-        // The stored dtype may be left to vLLM ("auto"): the workers check it when they open the journal.
-        let diff: Vec<String> =
-            found.differences(identity).into_iter().filter(|d| !(identity.dtype == "auto" && d.starts_with("stored dtype"))).collect();
+        // The stored dtype may be left to vLLM ("auto"), and the layer-output rule is known once the model is: the
+        // workers check both when they open the journal.
+        let left = |d: &String| {
+            (identity.dtype == "auto" && d.starts_with("stored dtype"))
+                || (identity.layer_output == "auto" && d.starts_with("layer output"))
+        };
+        let diff: Vec<String> = found.differences(identity).into_iter().filter(|d| !left(d)).collect();
         if !diff.is_empty() {
             bail!(
                 Config,

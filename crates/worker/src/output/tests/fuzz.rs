@@ -24,6 +24,7 @@ fn identity(format: &str) -> Identity {
         dtype: "bfloat16".into(),
         hidden_size: 8,
         num_hidden_layers: 4,
+        layer_output: "sum".into(),
     }
 }
 
@@ -60,6 +61,7 @@ fn capture(format: &str, compress: Option<i32>) -> (tempfile::TempDir, Vec<Sampl
         model_dtype: None,
         hidden_size: id.hidden_size,
         num_hidden_layers: id.num_hidden_layers,
+        layer_output: id.layer_output.clone(),
         tensor_parallel_size: 1,
         created_by: Default::default(),
         samples: recs.clone(),

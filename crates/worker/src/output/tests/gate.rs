@@ -102,6 +102,7 @@ fn released_samples_reach_the_writer_and_it_finishes_once_the_gate_is_closed() {
         dtype: "float32".into(),
         hidden_size: 4,
         num_hidden_layers: 2,
+        layer_output: "sum".into(),
     };
     let sink = Arc::new(FileSink::open(d.path(), by_name("hscapture", None).unwrap(), identity, Durability::Rename).unwrap());
     let cfg = WriterConfig { threads: 2, queue: 1, pool: None, keep_records: true };

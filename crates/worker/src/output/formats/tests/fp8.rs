@@ -12,6 +12,7 @@ fn identity() -> Identity {
         dtype: STORED.into(),
         hidden_size: 8,
         num_hidden_layers: 4,
+        layer_output: "sum".into(),
     }
 }
 

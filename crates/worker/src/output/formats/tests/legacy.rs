@@ -26,6 +26,7 @@ fn identity() -> Identity {
         dtype: "bfloat16".into(),
         hidden_size: 4,
         num_hidden_layers: 4,
+        layer_output: "sum".into(),
     }
 }
 

@@ -16,6 +16,7 @@ fn identity(convention: &str) -> Identity {
         dtype: "bfloat16".into(),
         hidden_size: 4,
         num_hidden_layers: 4,
+        layer_output: "sum".into(),
     }
 }
 

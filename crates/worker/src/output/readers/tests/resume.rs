@@ -15,6 +15,7 @@ fn identity(layers: Vec<usize>) -> Identity {
         dtype: "float32".into(),
         hidden_size: 2,
         num_hidden_layers: 4,
+        layer_output: "sum".into(),
     }
 }
 
@@ -76,6 +77,30 @@ fn a_resume_with_other_settings_is_refused_naming_what_differs() {
     // The stored dtype may be left to vLLM: "auto" is checked by the workers instead.
     let auto = Identity { dtype: "auto".into(), ..id };
     assert_eq!(plan(d.path(), &auto).unwrap().kept.len(), 1);
+}
+
+#[test]
+fn a_capture_from_before_the_rule_was_recorded_resumes_as_summed_and_only_so() {
+    let d = tempfile::tempdir().unwrap();
+    let id = identity(vec![3]);
+    let sink = FileSink::open(d.path(), by_name("hscapture", None).unwrap(), id.clone(), Durability::Rename).unwrap();
+    sink.put(&sample(0, 1)).unwrap();
+    drop(sink);
+    // The journal as an earlier hscapture wrote it: no layer_output in its identity line.
+    let path = d.path().join(journal::FILE);
+    let text = std::fs::read_to_string(&path).unwrap();
+    let old = text.replacen(",\"layer_output\":\"sum\"", "", 1);
+    assert_ne!(old, text, "the identity line carried the rule");
+    std::fs::write(&path, old).unwrap();
+    assert_eq!(plan(d.path(), &id).unwrap().kept.len(), 1, "read as sum, what every earlier capture stored");
+    // A driver that has not seen the model leaves the rule to the workers, which refuse the journal if it differs.
+    let driver = Identity { layer_output: "auto".into(), ..id.clone() };
+    assert_eq!(plan(d.path(), &driver).unwrap().kept.len(), 1);
+    let hidden = Identity { layer_output: "hidden".into(), ..id };
+    let e = plan(d.path(), &hidden).unwrap_err();
+    assert!(e.message.contains("layer output: sum vs hidden"), "{e}");
+    let worker = FileSink::open(d.path(), by_name("hscapture", None).unwrap(), hidden, Durability::Rename);
+    assert!(worker.err().unwrap().message.contains("layer output: sum vs hidden"));
 }
 
 #[test]

@@ -15,6 +15,7 @@ fn identity() -> Identity {
         dtype: "float32".into(),
         hidden_size: 2,
         num_hidden_layers: 4,
+        layer_output: "sum".into(),
     }
 }
 
@@ -47,6 +48,7 @@ fn manifest(root: &Path, samples: Vec<SampleRecord>) {
         model_dtype: None,
         hidden_size: id.hidden_size,
         num_hidden_layers: id.num_hidden_layers,
+        layer_output: id.layer_output,
         tensor_parallel_size: 1,
         created_by: Default::default(),
         samples,

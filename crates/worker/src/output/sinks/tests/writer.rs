@@ -31,6 +31,7 @@ fn identity() -> Identity {
         dtype: "float32".into(),
         hidden_size: 4,
         num_hidden_layers: 4,
+        layer_output: "sum".into(),
     }
 }
 

@@ -13,9 +13,9 @@ vLLM's decoder layers follow one of two conventions:
 
 A model's layers hand each other what they read, so the rule is read from the hooked layer's own ``forward``
 (its class's source, through ``ast``): ``sum`` when it takes a ``residual`` argument and may read it before
-assigning it, ``hidden`` when it takes none or overwrites it first. A forward whose source cannot be read, or whose
-first use of ``residual`` is an assignment inside a branch, is refused by name at start-up unless the
-``layer_output`` setting says which.
+assigning it (an ``assert`` aside), ``hidden`` when it takes none or overwrites it first. A forward whose source
+cannot be read, or whose first use of ``residual`` is none of these (an assignment inside a branch, ``del``), is
+refused by name at start-up unless the ``layer_output`` setting says which.
 """
 
 from __future__ import annotations

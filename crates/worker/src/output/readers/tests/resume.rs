@@ -34,16 +34,20 @@ fn sample(i: u64, slots: usize) -> Sample {
     }
 }
 
+/// A capture of `id` in `root` holding `samples` (one slot each), its writer gone.
+fn captured(root: &std::path::Path, id: &Identity, samples: &[u64]) {
+    let sink = FileSink::open(root, by_name("hscapture", None).unwrap(), id.clone(), Durability::Rename).unwrap();
+    for &i in samples {
+        sink.put(&sample(i, 1)).unwrap();
+    }
+}
+
 #[test]
 fn a_resume_keeps_only_files_its_ledger_vouches_for() {
     let d = tempfile::tempdir().unwrap();
     let root = d.path();
     let id = identity(vec![3]);
-    let sink = FileSink::open(root, by_name("hscapture", None).unwrap(), id.clone(), Durability::Rename).unwrap();
-    for i in 0..4 {
-        sink.put(&sample(i, 1)).unwrap();
-    }
-    drop(sink);
+    captured(root, &id, &[0, 1, 2, 3]);
     // Sample 1: one bit flipped in its states; sample 2: written but its journal line lost.
     let p1 = root.join("hidden_states/hs_1.safetensors");
     let mut b = std::fs::read(&p1).unwrap();
@@ -65,9 +69,7 @@ fn a_resume_keeps_only_files_its_ledger_vouches_for() {
 fn a_resume_with_other_settings_is_refused_naming_what_differs() {
     let d = tempfile::tempdir().unwrap();
     let id = identity(vec![3]);
-    let sink = FileSink::open(d.path(), by_name("hscapture", None).unwrap(), id.clone(), Durability::Rename).unwrap();
-    sink.put(&sample(0, 1)).unwrap();
-    drop(sink);
+    captured(d.path(), &id, &[0]);
     let e = plan(d.path(), &identity(vec![1, 3])).unwrap_err();
     assert_eq!(e.kind, crate::ErrorKind::Config);
     assert!(e.message.contains("layer ids: [3] vs [1, 3]"), "{e}");
@@ -83,9 +85,7 @@ fn a_resume_with_other_settings_is_refused_naming_what_differs() {
 fn a_capture_from_before_the_rule_was_recorded_resumes_as_summed_and_only_so() {
     let d = tempfile::tempdir().unwrap();
     let id = identity(vec![3]);
-    let sink = FileSink::open(d.path(), by_name("hscapture", None).unwrap(), id.clone(), Durability::Rename).unwrap();
-    sink.put(&sample(0, 1)).unwrap();
-    drop(sink);
+    captured(d.path(), &id, &[0]);
     // The journal as an earlier hscapture wrote it: no layer_output in its identity line.
     let path = d.path().join(journal::FILE);
     let text = std::fs::read_to_string(&path).unwrap();
@@ -107,9 +107,7 @@ fn a_capture_from_before_the_rule_was_recorded_resumes_as_summed_and_only_so() {
 fn files_without_any_ledger_are_all_captured_again() {
     let d = tempfile::tempdir().unwrap();
     let id = identity(vec![3]);
-    let sink = FileSink::open(d.path(), by_name("hscapture", None).unwrap(), id.clone(), Durability::Rename).unwrap();
-    sink.put(&sample(5, 1)).unwrap();
-    drop(sink);
+    captured(d.path(), &id, &[5]);
     std::fs::remove_file(d.path().join(journal::FILE)).unwrap();
     let plan = plan(d.path(), &id).unwrap();
     assert!(plan.kept.is_empty());

@@ -19,6 +19,8 @@ writer's threads at nice 10 after start-up), _early before any other suffix (HSC
 step's rows copied layer by layer during the forward, e.g. hscapture_early_graphs).
 --decode N: every request also generates N tokens, and the hscapture modes capture prompt and response through the
 KV connector (`include_output_tokens`), one `generate` per batch, vLLM's default chunked prefill.
+HSBENCH_FEED=stream (environment): each round's prompts in one `generate` (vLLM's scheduler fills every step from its
+queue, as hscapture's own driver does) instead of one per batch, in every mode.
 """
 
 from __future__ import annotations
@@ -206,6 +208,7 @@ def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: di
             f"[{name}/{mode}] {res['tokens'] / res['seconds']:,.0f} tok/s (rounds {', '.join(f'{x:.2f}' for x in res['rounds'])} s{tail}; "
             f"{res['bytes'] / 2**30:.2f} GiB on disk ({res['bytes'] / (res['tokens'] * len(res['rounds']) + args.batch * args.length):,.0f} B/token)"
             f"{'; path ' + res['device_path'] if 'device_path' in res else ''}; "
+            f"{'feed ' + res['feed'] + '; ' if res.get('feed', 'batches') != 'batches' else ''}"
             f"process {time.perf_counter() - t:.0f} s)",
             flush=True,
         )

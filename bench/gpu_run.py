@@ -261,8 +261,18 @@ if __name__ == "__main__":
     extra = {"kv_transfer_params": {"include_output_tokens": True}} if outputs else None
     sp = SamplingParams(max_tokens=max(decode, 1), detokenize=False, ignore_eos=True, temperature=0.0, extra_args=extra)
 
+    # HSBENCH_FEED=stream: every prompt in one generate, vLLM's scheduler filling each step from its queue (as
+    # hscapture's own driver feeds it: no step without prompt rows between batches); by default one generate per
+    # batch, as a client sends them.
+    feed = os.environ.get("HSBENCH_FEED", "batches")
+    if feed not in ("batches", "stream"):
+        raise SystemExit(f"HSBENCH_FEED={feed!r}: expected 'batches' or 'stream'")
+
     def run_round():
-        for b in range(0, len(prompts), batch):  # one generate per batch, as a client sends them
+        if feed == "stream":
+            llm.generate(prompts, sp, use_tqdm=False)
+            return
+        for b in range(0, len(prompts), batch):
             llm.generate(prompts[b : b + batch], sp, use_tqdm=False)
 
     def clear():  # the connector's files: read by nobody here; removed so that disk space stays flat
@@ -310,6 +320,7 @@ if __name__ == "__main__":
         clear()
     info = {
         "mode": mode,
+        "feed": feed,
         "tokens": n_prompts * (length + decode),
         "generated": n_prompts * decode,
         "seconds": min(per),

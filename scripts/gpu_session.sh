@@ -14,6 +14,8 @@
 # TESTS (environment) narrows the tests part to given pytest paths/node ids;
 # MODELS, MODES and PROMPTS (environment) override the bench part's defaults; HSBENCH_ASYNC=0|1 forces
 # vLLM's asynchronous scheduling off/on in every mode (does hscapture's per-step wait cost the overlap?);
+# HSBENCH_FEED=stream sends each round's prompts in one generate (vLLM's scheduler fills every step, as hscapture's
+# own driver does) instead of one generate per batch;
 # graphs = prefill under vLLM's defaults (torch.compile and CUDA graphs) vs eager, 512 prompts, Llama-8B and DeepSeek-V3
 # shapes (modes plain_graphs,hscapture_graphs,hscapture,plain); decode = prompt and response captured in one pass
 # (include_output_tokens through the KV connector), 256 requests × 512 + 128 generated tokens, batch 64, the same modes

@@ -4,7 +4,7 @@ little on the CPU, so the step is host-bound there as an eager GPU decode step i
 step shows. (The CPU path copies rows in the hooks, which a GPU does with a launch: `capture` below is CPU-only.)
 
     python bench/cpu_decode.py [--modes plain,offline,prompt,outputs] [--repeat 2] [--requests 64] [--prompt 64]
-                               [--decode 96] [--profile] [--eager]
+                               [--decode 96] [--profile] [--eager] [--place pinned|apart]
 
 Modes: plain (vLLM alone); offline (hscapture's worker, no connector: prompt rows only, decode steps capture
 nothing); prompt (its KV connector, prompt only); outputs (the connector with ``include_output_tokens``: every decode
@@ -72,6 +72,7 @@ class GcTime:
 def run(mode: str, model: str, out: str, a: argparse.Namespace, profile: str | None) -> None:
     """One mode in this process; prints one ``CPU_DECODE`` JSON line."""
     import random
+    import threading
     import time
 
     from vllm import LLM, SamplingParams
@@ -86,6 +87,9 @@ def run(mode: str, model: str, out: str, a: argparse.Namespace, profile: str | N
         enable_prefix_caching=False,
         seed=0,
         enforce_eager=a.eager,
+        # On the CPU backend this is the share of the machine's memory reserved for the KV cache: vLLM 0.32's default
+        # (0.92) fails at start-up while the previous mode's process still gives its memory back.
+        gpu_memory_utilization=0.5,
     )
     layers = {"layers": [0, 1, 2], "convention": "after"}
     if mode == "offline":
@@ -109,9 +113,17 @@ def run(mode: str, model: str, out: str, a: argparse.Namespace, profile: str | N
     extra = {"kv_transfer_params": {"include_output_tokens": True}} if mode == "outputs" else None
     sp = SamplingParams(max_tokens=a.decode, detokenize=False, ignore_eos=True, temperature=0.0, extra_args=extra)
     llm.generate(prompts, sp, use_tqdm=False)  # warm-up
+    placed = None
+    if a.place:  # the engine runs on this process's main thread (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+        from placement import place
+
+        placed = place(None, a.place)
     capture = mode != "plain"
     base = [r for r in llm.collective_rpc("hscapture_stats") if r][0] if capture else {}
     gc_time = GcTime()
+    from placement import migrations
+
+    moves0 = migrations(threading.get_native_id())
     cpu0, times = thread_cpu(), []
     prof = None
     for i in range(3):
@@ -135,6 +147,11 @@ def run(mode: str, model: str, out: str, a: argparse.Namespace, profile: str | N
     info = {"mode": mode, "ms_per_step": round(min(times) / steps * 1e3, 3), "runs_s": [round(t, 3) for t in times]}
     info["thread_cpu_s"] = {k: v for k, v in sorted(used.items(), key=lambda kv: -kv[1]) if v >= 0.01}
     info["gc"] = gc_time.summary(3 * steps)
+    moves1 = migrations(threading.get_native_id())
+    if moves0 is not None and moves1 is not None:  # the engine's thread moving between CPUs over the timed runs
+        info["main_migrations"] = moves1 - moves0
+    if placed is not None:
+        info["placed"] = placed
     if capture:
         st = [r for r in llm.collective_rpc("hscapture_stats") if r][0]
         n = max(1, st["host_ns_steps"] - base["host_ns_steps"])
@@ -170,6 +187,12 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=96)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--eager", action="store_true", help="enforce_eager: no torch.compile (as the H200's eager modes)")
+    ap.add_argument(
+        "--place",
+        choices=("pinned", "apart"),
+        help="after warm-up, the engine's thread on one CPU (pinned), and every other thread on other physical "
+        "cores (apart): bench/placement.py",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -194,6 +217,7 @@ def main() -> int:
             cmd = [sys.executable, __file__, "--child", m, "--model", model, "--out", str(work / f"out-{m}-{rep}")]
             cmd += ["--requests", str(a.requests), "--prompt", str(a.prompt), "--decode", str(a.decode)]
             cmd += ["--eager"] if a.eager else []
+            cmd += ["--place", a.place] if a.place else []
             r = subprocess.run(cmd + (["--pstats", stats] if stats else []), env=env, capture_output=True, text=True)
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("CPU_DECODE ")]
             if r.returncode != 0 or not line:
@@ -203,7 +227,9 @@ def main() -> int:
             best[m] = min(best.get(m, float("inf")), info["ms_per_step"])
             print(
                 f"[pass {rep + 1}] {m}: {info['ms_per_step']} ms/step (runs {info['runs_s']} s); threads' CPU s "
-                f"{info['thread_cpu_s']}; gc [collections, µs a step] {info['gc']}"
+                f"{info['thread_cpu_s']}; gc [collections, µs a step] {info['gc']}; engine thread's migrations "
+                f"{info.get('main_migrations')}"
+                + (f"; placed {info['placed']}" if "placed" in info else "")
                 + (f"; hscapture host µs/step {info['host_us_per_step']}" if "host_us_per_step" in info else ""),
                 flush=True,
             )

@@ -15,7 +15,9 @@ thread), hscapture_serial (each device step collected when the next begins), hsc
 plain_graphs and hscapture_graphs (vLLM's defaults: torch.compile and CUDA graphs); plain_compiled and
 hscapture_compiled (torch.compile without CUDA graphs). Suffixes, with --decode: _prompt (the connector, prompt
 rows only), _offline (no connector); any hscapture mode: _w<N> (N writer threads, e.g. hscapture_w2), _nice (the
-writer's threads at nice 10 after start-up), _early before any other suffix (HSCAPTURE_EARLY_COPY_MIB=4: a large
+writer's threads at nice 10 after start-up), _pinned / _apart before _graphs and _w<N> (the engine's main thread on one
+CPU; with _apart every other thread of its process on other physical cores: bench/placement.py; e.g. plain_apart,
+hscapture_prompt_apart), _early before any other suffix (HSCAPTURE_EARLY_COPY_MIB=4: a large
 step's rows copied layer by layer during the forward, e.g. hscapture_early_graphs).
 --decode N: every request also generates N tokens, and the hscapture modes capture prompt and response through the
 KV connector (`include_output_tokens`), one `generate` per batch, vLLM's default chunked prefill.
@@ -222,6 +224,8 @@ def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: di
             )
         if "thread_minflt" in res:  # first touches of memory (and remaps) per thread
             print(f"[{name}/{mode}] their minor page faults: {res['thread_minflt']}", flush=True)
+        if "thread_migrations" in res:  # moves between CPUs per thread (each starts it on cold caches)
+            print(f"[{name}/{mode}] their migrations between CPUs: {res['thread_migrations']}", flush=True)
         if "interrupts" in res:  # the machine's, over the rounds: TLB shootdowns, function calls, rescheduling, ticks
             print(f"[{name}/{mode}] interrupts over the rounds: {res['interrupts']}", flush=True)
         if "host_us_per_step" in res:
@@ -247,8 +251,9 @@ def spread(name: str, passes: list[dict]) -> None:
 
 
 def ratios(label_base: str, results: dict) -> None:
-    """Ratios to plain eager, and (compiled modes) to plain compiled without CUDA graphs and to vLLM's defaults."""
-    for ref in ("plain", "plain_graphs", "plain_compiled"):
+    """Ratios to plain eager, and (compiled modes) to plain compiled without CUDA graphs and to vLLM's defaults, and
+    (placed modes) to plain with the same placement."""
+    for ref in ("plain", "plain_graphs", "plain_compiled", "plain_pinned", "plain_apart"):
         if ref not in results:
             continue
         label = label_base if ref == "plain" else f"{label_base} vs {ref}"

@@ -39,6 +39,8 @@ def thread_cpu(worker) -> dict:
     import os
     import threading
 
+    from placement import migrations
+
     py_names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
     tick, out = os.sysconf("SC_CLK_TCK"), {}
     for t in os.listdir("/proc/self/task"):
@@ -56,8 +58,9 @@ def thread_cpu(worker) -> dict:
         switches = [
             int(status.get(k, "0").strip() or 0) for k in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")
         ]
-        # utime + stime; the switches; minor page faults (memory touched for the first time, or remapped)
-        out[f"{t}:{name}"] = [(int(fields[11]) + int(fields[12])) / tick, *switches, int(fields[7])]
+        # utime + stime; the switches; minor page faults (memory touched for the first time, or remapped); moves
+        # between CPUs (each starts the thread on cold caches)
+        out[f"{t}:{name}"] = [(int(fields[11]) + int(fields[12])) / tick, *switches, int(fields[7]), migrations(t) or 0]
     return out
 
 
@@ -80,8 +83,8 @@ def renice_writers(worker) -> int:
 
 
 def threads_used(llm, before: dict | None) -> dict | None:
-    """Per thread name, [CPU seconds, voluntary, involuntary context switches] since ``before`` (a ``thread_cpu``
-    reading), most CPU first; None on failure."""
+    """Per thread name, [CPU seconds, voluntary, involuntary context switches, minor faults, migrations] since
+    ``before`` (a ``thread_cpu`` reading), most CPU first; None on failure."""
     try:
         now = llm.collective_rpc(thread_cpu)[0]
     except Exception as e:  # noqa: BLE001 - a diagnosis only
@@ -91,9 +94,9 @@ def threads_used(llm, before: dict | None) -> dict | None:
         return now
     used: dict[str, list] = {}
     for k, v in now.items():
-        name, was = k.partition(":")[2], before.get(k, [0.0, 0, 0, 0])
-        acc = used.setdefault(name, [0.0, 0, 0, 0])
-        for i in range(4):
+        name, was = k.partition(":")[2], before.get(k, [0.0, 0, 0, 0, 0])
+        acc = used.setdefault(name, [0.0, 0, 0, 0, 0])
+        for i in range(5):
             acc[i] += v[i] - was[i]
     rows = ((k, [round(v[0], 2), *v[1:]]) for k, v in used.items() if v[0] >= 0.01)
     return dict(sorted(rows, key=lambda kv: -kv[1][0]))
@@ -283,7 +286,21 @@ if __name__ == "__main__":
                 except FileNotFoundError:  # the last request's file, renamed into place meanwhile: next clear()
                     pass
 
+    # _pinned / _apart (before _graphs, _compiled and _w<N>): the engine's main thread on one CPU, and with _apart
+    # every other thread of the worker's process on other physical cores (bench/placement.py), again before each
+    # round (threads started since inherit the main thread's CPU).
+    how = "apart" if "_apart" in mode else "pinned" if "_pinned" in mode else None
+
+    def place():
+        if how is None:
+            return None
+        from placement import place as place_threads
+
+        return llm.collective_rpc(place_threads, args=(how,))
+
     llm.generate(prompts[:batch], sp, use_tqdm=False)  # warm-up
+    if how is not None:
+        print(f"threads placed: {place()}", flush=True)
     if "_nice" in mode:  # the writer's threads at nice 10 (they exist once the capture started)
         print(f"writer threads reniced: {llm.collective_rpc(renice_writers)}", flush=True)
     if prof:  # the stack samplers (bench/profile) start now, after start-up and warm-up
@@ -298,6 +315,7 @@ if __name__ == "__main__":
     irq0 = interrupts()
     per, drains, parts = [], [], []
     for _ in range(rounds):
+        place()
         t0 = time.perf_counter()
         run_round()
         t1 = time.perf_counter()
@@ -334,6 +352,7 @@ if __name__ == "__main__":
         info["thread_cpu_s"] = {k: v[0] for k, v in list(cpu1.items())[:8]}
         info["thread_switches"] = {k: v[1:3] for k, v in list(cpu1.items())[:4]}
         info["thread_minflt"] = {k: v[3] for k, v in list(cpu1.items())[:4]}
+        info["thread_migrations"] = {k: v[4] for k, v in list(cpu1.items())[:4]}
     if irq0 and irq1:  # the whole machine's, over the timed rounds
         info["interrupts"] = {k: irq1[k] - irq0.get(k, 0) for k in irq1}
     if capture:

@@ -35,7 +35,9 @@
 # plumbing alone), hscapture_offline (no connector), hscapture_offline_noopconn, hscapture_prompt (hscapture's
 # connector, prompt rows), hscapture (and prompt + response); each thread's CPU, context switches and minor faults,
 # and the machine's TLB-shootdown, call, rescheduling and timer interrupts in the log (also: hscapture_w2 with 2
-# writer threads, hscapture_nice with the writers at nice 10; REPEAT=K runs the list K times over, interleaved);
+# writer threads, hscapture_nice with the writers at nice 10; plain_pinned / hscapture_prompt_pinned with the engine's
+# main thread on one CPU, *_apart with every other thread of its process on other physical cores as well, each thread's
+# migrations between CPUs in the log: bench/placement.py; REPEAT=K runs the list K times over, interleaved);
 # disk = bench/disk_writeback.py on the machine's disk (DISK_FILES files of 58.7 MB per mode);
 # tp2 (nvidia-h200-x2) = the same benchmark at tensor-parallel 2 (modes plain,hscapture,vllm by default).
 # (The DeepSeek-V3 TP=2 vs TP=1 check in float32 cannot run there: vLLM 0.23 has no float32 MLA backend.)

@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from . import _native
 from .adapters.requested import capture_config, settings
 from .adapters.vllm_compat import include_output_tokens, max_tokens
-from .errors import ConfigError
+from .errors import ConfigError, HscaptureError
 
 
 class HscaptureMetadata(KVConnectorMetadata):
@@ -89,6 +89,7 @@ class HscaptureConnector(NoKVTransfer, KVConnectorBase_V1):
         self.output: Any = None  # the workers' output, described: it decides which growing samples are refused
         self.rows: tuple[int, int, str] | None = None  # (layers, hidden size, dtype) of a captured row
         self.outputs: dict[str, list[int]] = {}  # finished requests with generated tokens, for the next step
+        self.vllm_config = vllm_config  # its worker's capture, when in this process and thread (capture/inproc.py)
         if role == KVConnectorRole.SCHEDULER:
             from .adapters.early_check import check
 
@@ -128,12 +129,29 @@ class HscaptureConnector(NoKVTransfer, KVConnectorBase_V1):
             if rows is None:
                 return False, None  # ended before its first output (aborted): no sample, its workers drop its rows
             tokens = [int(t) for t in every[:rows]]  # the last token was sampled, never an input to a forward
-            self.outputs[request.request_id] = tokens
+            why = self._finish(request.request_id, tokens)
+            if why is not None:
+                return False, {"hidden_states_error": why}
             rows, mode = len(tokens), "all"
         if not self.store or self.rows is None:
             return False, {"hidden_states_path": hidden_states_path(self.out, request.request_id)}
         slots, width, dtype = self.rows
         return False, json.loads(_native.packed_manifest(request.request_id, rows, slots, width, dtype, mode))
+
+    def _finish(self, req_id: str, tokens: list[int]) -> str | None:
+        """Hands a finished request's tokens to the workers: at once to a worker's capture in this process and thread
+        (an engine in the caller's process steps no more after a call's last request: ``capture/inproc.py``), else
+        with the next step's metadata. A capture that failed answers why its sample will not come."""
+        from .capture import inproc
+
+        cap = inproc.capture_for(self.vllm_config)
+        try:
+            if cap is not None and inproc.finish_outputs(cap, {req_id: tokens}):
+                return None
+        except HscaptureError as e:
+            return f"the capture failed, so this request's states were not stored: {e}"
+        self.outputs[req_id] = tokens
+        return None
 
     def _refusal(self, request: Any, prompt_len: int) -> str | None:
         n = max_tokens(getattr(request, "sampling_params", None))

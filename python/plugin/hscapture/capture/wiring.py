@@ -17,7 +17,7 @@ from ..adapters.parallel import refuse_stages_with_tp
 from ..adapters.requested import destination, max_growing_sample_mib
 from ..config import CaptureConfig
 from ..errors import ConfigError, HscaptureError
-from . import hooks
+from . import hooks, inproc
 from .ranksync import RankSync
 
 log = logging.getLogger("hscapture")
@@ -134,6 +134,8 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
     )
     order.before_forward = cap.before_forward
     install_hooks(cap, layers, points)
+    if vllm_compat.engine_in_caller() and tp.size == 1 and link is None:  # the connector may finish requests at once
+        inproc.register(vc, cap)
     log.info(
         "hscapture: capturing %s ids %s at %s (%d hooks; %s; %s%s), tp rank %d/%d, pp rank %d/%d, writer=%s",
         cfg.convention,

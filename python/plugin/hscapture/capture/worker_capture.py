@@ -22,6 +22,7 @@ from .. import _native
 from ..adapters import vllm_compat
 from ..config import CaptureConfig
 from ..errors import HscaptureError
+from . import inproc
 from .ranksync import RankSync, unexpected
 from .rpc_state import RpcState
 from .step_times import StepTimes
@@ -347,6 +348,7 @@ class WorkerCapture:
         except HscaptureError as e:
             log.error("hscapture: closing the capture: %s", e)
         finally:
+            inproc.unregister(self)
             for h in self.handles:
                 h.remove()
             self.handles = []

@@ -105,3 +105,27 @@ def test_the_scheduler_refuses_a_growing_sample_by_the_workers_rule():
     assert store.growing_refusal(3, 128, "bfloat16", "r", 1, 1366) is not None
     with pytest.raises(ConfigError, match="a store destination needs its client"):
         _native.Output({"kind": "store"})  # what the workers open must have one
+
+
+@pytest.mark.parametrize(
+    "drafts,async_scheduling,refused",
+    [(3, True, True), (3, False, False), (0, True, False), (None, True, False)],
+    ids=["drafts-async", "drafts-sync", "no-drafts", "no-speculation"],
+)
+def test_generated_tokens_are_refused_where_their_positions_are_unknown(drafts, async_scheduling, refused):
+    """Speculative decoding under asynchronous scheduling: the scheduler reports positions that assume every draft
+    accepted (the runner corrects them on the device), so no request may capture its generated tokens; the workers and
+    the connector refuse it by the one rule, whatever its max_tokens, and prompt-only requests are untouched."""
+    from hscapture.adapters.requested import outputs_refused
+
+    spec = None if drafts is None else SimpleNamespace(num_speculative_tokens=drafts, method="eagle3")
+    vc = SimpleNamespace(speculative_config=spec, scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
+    why = outputs_refused(vc)
+    assert (why is not None) == refused
+    if not refused:
+        return
+    assert "--no-async-scheduling" in why and "eagle3, 3 draft tokens" in why
+    out = _native.Output.described({"kind": "staging", "root": "/s", "format": "file"}, outputs_refused=why)
+    for max_tokens in (None, 1, 10**6):
+        got = out.growing_refusal(3, 128, "float32", "r7", 10, max_tokens)
+        assert got is not None and got.startswith('request "r7" refused at admission: its generated tokens')

@@ -53,6 +53,7 @@ fn run(out: PathBuf, background: bool, steps: usize, fwd: Duration, reqs: usize,
         threads: 8,
         queue: 64,
         max_growing_sample: u64::MAX,
+        outputs_refused: None,
     };
     // The worker's own path: the session feeding the writer (from the assembler thread, in the background).
     let mut s = WorkerSession::new(cfg, settings)?;

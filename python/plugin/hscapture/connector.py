@@ -94,14 +94,16 @@ class HscaptureConnector(NoKVTransfer, KVConnectorBase_V1):
             from .adapters.early_check import check
 
             check(vllm_config)  # the capture must be set up (a worker class that captures, valid settings)
-            from .adapters.requested import destination, max_growing_sample_mib
+            from .adapters.requested import destination, max_growing_sample_mib, outputs_refused
             from .capture.wiring import model_facts
 
             cfg = capture_config(vllm_config)
             n_layers, hidden, model_dtype, _ = model_facts(vllm_config)
             slots, dtype = len(cfg.resolve(n_layers)), model_dtype if cfg.dtype == "auto" else cfg.dtype
             described = destination(cfg)  # the workers' own description
-            self.output = _native.Output.described(described, max_growing_sample_mib=max_growing_sample_mib())
+            self.output = _native.Output.described(
+                described, max_growing_sample_mib=max_growing_sample_mib(), outputs_refused=outputs_refused(vllm_config)
+            )
             self.rows = (slots, hidden, dtype)
             self.store = described["kind"] == "store"
 
@@ -155,6 +157,6 @@ class HscaptureConnector(NoKVTransfer, KVConnectorBase_V1):
 
     def _refusal(self, request: Any, prompt_len: int) -> str | None:
         n = max_tokens(getattr(request, "sampling_params", None))
-        if self.output is None or self.rows is None or n is None:
+        if self.output is None or self.rows is None:
             return None
         return self.output.growing_refusal(*self.rows, request.request_id, prompt_len, n)

@@ -119,7 +119,7 @@ fn destination(d: &Bound<'_, PyDict>, opened: bool) -> PyResult<Destination> {
 #[pymethods]
 impl Output {
     #[new]
-    #[pyo3(signature = (destination=None, *, writer_threads=4, writer_queue=defaults::WRITER_QUEUE, model=String::new(), max_growing_sample_mib=defaults::MAX_GROWING_SAMPLE_MIB, layer_output=Identity::summed()))]
+    #[pyo3(signature = (destination=None, *, writer_threads=4, writer_queue=defaults::WRITER_QUEUE, model=String::new(), max_growing_sample_mib=defaults::MAX_GROWING_SAMPLE_MIB, layer_output=Identity::summed(), outputs_refused=None))]
     fn new(
         destination: Option<&Bound<'_, PyDict>>,
         writer_threads: usize,
@@ -127,6 +127,7 @@ impl Output {
         model: String,
         max_growing_sample_mib: u64,
         layer_output: String,
+        outputs_refused: Option<String>,
     ) -> PyResult<Self> {
         guard("Output()", || {
             let destination = match destination {
@@ -134,8 +135,15 @@ impl Output {
                 None => Destination::Memory,
             };
             let max_growing_sample = mib(max_growing_sample_mib, "a growing sample bound")?;
-            let settings =
-                OutputSettings { destination, model, layer_output, threads: writer_threads, queue: writer_queue, max_growing_sample };
+            let settings = OutputSettings {
+                destination,
+                model,
+                layer_output,
+                threads: writer_threads,
+                queue: writer_queue,
+                max_growing_sample,
+                outputs_refused,
+            };
             Ok(Output { settings })
         })
     }
@@ -143,12 +151,13 @@ impl Output {
     /// The same output as the workers would open it, described only (a store needs no client): what the
     /// scheduler-side connector decides by (`growing_refusal`).
     #[staticmethod]
-    #[pyo3(signature = (destination, *, max_growing_sample_mib=defaults::MAX_GROWING_SAMPLE_MIB))]
-    fn described(destination: &Bound<'_, PyDict>, max_growing_sample_mib: u64) -> PyResult<Output> {
+    #[pyo3(signature = (destination, *, max_growing_sample_mib=defaults::MAX_GROWING_SAMPLE_MIB, outputs_refused=None))]
+    fn described(destination: &Bound<'_, PyDict>, max_growing_sample_mib: u64, outputs_refused: Option<String>) -> PyResult<Output> {
         guard("Output.described()", || {
             let destination = self::destination(destination, false)?;
             let max_growing_sample = mib(max_growing_sample_mib, "a growing sample bound")?;
-            Ok(Output { settings: OutputSettings { destination, max_growing_sample, ..OutputSettings::in_memory() } })
+            let settings = OutputSettings { destination, max_growing_sample, outputs_refused, ..OutputSettings::in_memory() };
+            Ok(Output { settings })
         })
     }
 
@@ -162,7 +171,7 @@ impl Output {
         dtype: &str,
         req_id: &str,
         prompt_len: usize,
-        max_tokens: usize,
+        max_tokens: Option<usize>,
     ) -> PyResult<Option<String>> {
         guard("Output.growing_refusal()", || {
             let bound = self.settings.growing_bound(slots, width, super::tensor::parse_dtype(dtype, "dtype")?)?;

@@ -25,7 +25,15 @@ fn out(root: Option<PathBuf>) -> OutputSettings {
         Some(r) => Destination::Directory(files(&r)),
         None => Destination::Memory,
     };
-    OutputSettings { destination, model: "m".into(), layer_output: "sum".into(), threads: 2, queue: 2, max_growing_sample: u64::MAX }
+    OutputSettings {
+        destination,
+        model: "m".into(),
+        layer_output: "sum".into(),
+        threads: 2,
+        queue: 2,
+        max_growing_sample: u64::MAX,
+        outputs_refused: None,
+    }
 }
 
 /// Per-request files under `root`, at most `backlog` bytes of finished samples waiting for them at a release.
@@ -451,4 +459,48 @@ fn a_growing_sample_that_could_outgrow_its_bound_is_refused_at_admission_alone()
     assert!(lock("fits").exists(), "the admitted request's file is promised (its lock)");
     assert!(!lock("big").exists(), "the refused one promises nothing: its client finds no file");
     w.finish().unwrap();
+}
+
+#[test]
+fn generated_tokens_refused_here_refuse_every_growing_sample_and_keep_the_prompt_only_ones() {
+    let d = tempfile::tempdir().unwrap();
+    let mut o = staged(d.path(), 1 << 30);
+    o.outputs_refused = Some("positions unknown here".into());
+    let mut w = WorkerSession::new(cfg(true), o).unwrap();
+    let new = |id: &str, max_tokens| NewRequest {
+        req_id: id.into(),
+        prompt_token_ids: vec![1, 2, 3],
+        num_computed_tokens: 0,
+        sample: None,
+        loss_mask: None,
+        max_tokens,
+    };
+    // grows: with and without max_tokens both refused; prompt: its prompt only, admitted.
+    let input = StepInput {
+        new_requests: vec![new("grows", Some(4)), new("unbounded", None), new("prompt", Some(4))],
+        num_scheduled: vec![("grows".into(), 3), ("unbounded".into(), 3), ("prompt".into(), 3)],
+        total_tokens: 9,
+        with_outputs: vec!["grows".into(), "unbounded".into()],
+        ..Default::default()
+    };
+    w.begin_step(input).unwrap();
+    let order = ["grows".into(), "unbounded".into(), "prompt".into()];
+    assert_eq!(w.plan(&order, None).unwrap(), 3, "only the prompt-only request's rows are captured");
+    let h: Vec<f32> = (0..18).map(|i| i as f32 * 0.25).collect(); // rows that differ: not degenerate states
+    let t = TensorDesc { ptr: h.as_ptr() as usize, shape: vec![9, 2], strides: vec![2, 1], dtype: DType::F32, device: Device::Cpu };
+    // SAFETY: `h` lives for the call and nobody writes it.
+    unsafe { w.capture(0, None, &t, None, 0).unwrap() };
+    w.end_step().unwrap();
+    w.release().unwrap();
+    let notes = w.take_notes().join("\n");
+    for id in ["grows", "unbounded"] {
+        assert!(notes.contains(&format!("\"{id}\" refused at admission: positions unknown here")), "{notes}");
+    }
+    assert_eq!(w.session().stats().refused, 2);
+    let lock = |id: &str| crate::output::sinks::staging::lock_path(&d.path().join(crate::output::sinks::staging::file_name(id)));
+    assert!(!lock("grows").exists() && !lock("unbounded").exists(), "the refused ones promise nothing");
+    w.finish().unwrap();
+    let file = |id: &str| d.path().join(crate::output::sinks::staging::file_name(id));
+    assert!(file("prompt").exists(), "the prompt-only request's file is written");
+    assert!(!file("grows").exists() && !file("unbounded").exists());
 }

@@ -201,11 +201,10 @@ impl WorkerSession {
             return;
         }
         for r in &input.new_requests {
-            let Some(max_tokens) = r.max_tokens else { continue };
             if !input.with_outputs.contains(&r.req_id) {
                 continue;
             }
-            if let Some(why) = self.growing.refusal(&r.req_id, r.prompt_token_ids.len(), max_tokens) {
+            if let Some(why) = self.growing.refusal(&r.req_id, r.prompt_token_ids.len(), r.max_tokens) {
                 input.with_outputs.retain(|id| id != &r.req_id);
                 input.refused.push(r.req_id.clone());
                 self.session.count_refused();

@@ -21,6 +21,10 @@ pub struct OutputSettings {
     /// A sample that grows with its generated tokens (`include_output_tokens`) may take at most this many bytes: a
     /// request whose prompt and `max_tokens` could exceed it is refused at admission (nothing captured, no file).
     pub max_growing_sample: u64,
+    /// Why no sample may grow with its generated tokens here, or None: the engine's configuration leaves their
+    /// positions unknown where hscapture attributes them (`vllm_compat.outputs_refused`). Such a request is refused at
+    /// admission, as one that could outgrow the bound.
+    pub outputs_refused: Option<String>,
 }
 
 impl OutputSettings {
@@ -33,6 +37,7 @@ impl OutputSettings {
             threads: 1,
             queue: 1,
             max_growing_sample: u64::MAX,
+            outputs_refused: None,
         }
     }
 
@@ -40,7 +45,7 @@ impl OutputSettings {
     /// them (its format's row): the workers' rule, and the scheduler-side connector's (`py/output.rs`).
     pub fn growing_bound(&self, slots: usize, width: usize, dtype: hscapture_kernels::DType) -> crate::error::CoreResult<GrowingBound> {
         let row_bytes = self.destination.format()?.stored_row_bytes(slots, width, dtype);
-        Ok(GrowingBound::new(self.max_growing_sample, row_bytes))
+        Ok(GrowingBound { refused: self.outputs_refused.clone(), ..GrowingBound::new(self.max_growing_sample, row_bytes) })
     }
 }
 
@@ -75,22 +80,29 @@ pub fn identity(cfg: &SessionConfig, out: &OutputSettings, format: &dyn Format) 
 /// The bound on a sample that grows with its generated tokens (`include_output_tokens`), checked at admission: the
 /// workers drop such a request's rows, and the scheduler-side connector answers it with an error and no path, by
 /// this one rule.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct GrowingBound {
     /// The most rows such a sample may reach.
     pub max_rows: usize,
     pub row_bytes: usize,
+    /// Why every such sample is refused here (`OutputSettings::outputs_refused`).
+    pub refused: Option<String>,
 }
 
 impl GrowingBound {
     pub fn new(max_bytes: u64, row_bytes: usize) -> GrowingBound {
         let max_rows = usize::try_from(max_bytes / row_bytes.max(1) as u64).unwrap_or(usize::MAX);
-        GrowingBound { max_rows, row_bytes }
+        GrowingBound { max_rows, row_bytes, refused: None }
     }
 
-    /// Why a request with this prompt and `max_tokens` is refused (its sample could outgrow the bound: every token
-    /// but the last goes through a forward), or None when it is admitted.
-    pub fn refusal(&self, req_id: &str, prompt_len: usize, max_tokens: usize) -> Option<String> {
+    /// Why a request with this prompt and `max_tokens` (None: unbounded, as vLLM leaves it to the model's length) is
+    /// refused (generated tokens refused here, or its sample could outgrow the bound: every token but the last goes
+    /// through a forward), or None when it is admitted.
+    pub fn refusal(&self, req_id: &str, prompt_len: usize, max_tokens: Option<usize>) -> Option<String> {
+        if let Some(why) = &self.refused {
+            return Some(format!("request {req_id:.80?} refused at admission: {why}"));
+        }
+        let max_tokens = max_tokens?;
         let rows = prompt_len.saturating_add(max_tokens.saturating_sub(1));
         if rows <= self.max_rows {
             return None;

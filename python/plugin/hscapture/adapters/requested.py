@@ -115,3 +115,24 @@ def staging_collect_s() -> int:
         10,
         "seconds; speculators' client waits up to 10 s for a file's lock before it reads the file",
     )
+
+
+def outputs_refused(vllm_config: Any) -> str | None:
+    """Why no request may capture its generated tokens (``include_output_tokens``) under this engine's configuration,
+    or None. With speculative decoding and asynchronous scheduling, vLLM schedules a step before the previous step's
+    draft tokens are verified: the positions the scheduler reports assume every draft accepted, and the model runner
+    corrects them on the device, where hscapture does not read. A decode row's position is then unknown where
+    hscapture attributes it, so such requests are refused at admission by the workers and the connector alike (the
+    same rule: ``_native.Output(outputs_refused=...)``); prompt rows are never drafts, and prompt-only requests run."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    drafts = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+    sched = getattr(vllm_config, "scheduler_config", None)
+    if drafts <= 0 or not bool(getattr(sched, "async_scheduling", False)):
+        return None
+    method = getattr(spec, "method", None) or "speculative decoding"
+    return (
+        f"its generated tokens cannot be captured under speculative decoding ({method}, {drafts} draft tokens a step) "
+        "with asynchronous scheduling: vLLM schedules each step before the previous step's drafts are verified, so "
+        "the positions it reports for a decode step are not the ones the model computes. Start vLLM with "
+        "--no-async-scheduling (async_scheduling=False) to capture prompt and response, or ask for the prompt only"
+    )

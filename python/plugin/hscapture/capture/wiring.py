@@ -14,7 +14,7 @@ import torch
 from .. import _native, envs
 from ..adapters import layer_output, vllm_compat
 from ..adapters.parallel import refuse_stages_with_tp
-from ..adapters.requested import destination, max_growing_sample_mib
+from ..adapters.requested import destination, max_growing_sample_mib, outputs_refused
 from ..config import CaptureConfig
 from ..errors import ConfigError, HscaptureError
 from . import hooks, inproc
@@ -75,6 +75,7 @@ def build(cls: type, worker: Any, cfg: CaptureConfig) -> Any:
         model=cfg.model_name or model,
         max_growing_sample_mib=max_growing_sample_mib(),
         layer_output=identity_rule(outputs),
+        outputs_refused=outputs_refused(vc),
     )
     staging = dest["kind"] == "staging"
     if staging and (envs.get("HSCAPTURE_TEST_STAGING_DELAY_MS") > 0 or envs.get("HSCAPTURE_TEST_STAGING_HOLD")):

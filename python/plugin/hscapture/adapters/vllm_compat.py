@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 from .. import _native, envs
@@ -244,15 +245,14 @@ class RunnerOrder:
             )
         n = int(b.num_reqs)
         ids = list(b.req_ids[:n])
-        counts = [int(x) for x in b.num_scheduled_tokens[:n]]
-        starts = [int(x) for x in b.query_start_loc_np[: n + 1]]
-        if starts[0] != 0 or any(starts[i + 1] - starts[i] != counts[i] for i in range(n)):
+        counts, starts = _ints(b.num_scheduled_tokens[:n]), _ints(b.query_start_loc_np[: n + 1])
+        if starts != list(accumulate(counts, initial=0)):
             raise CompatibilityError(
                 f"Model Runner V2 laid out this step's {n} requests non-contiguously (query_start_loc {starts[:9]}, "
                 f"counts {counts[:8]}); hscapture reads each request's tokens as one consecutive run and will not guess. "
                 "Please report this vLLM version and the settings that produced it"
             )
-        if scheduled is not None and dict(zip(ids, counts, strict=True)) != {k: int(v) for k, v in scheduled.items()}:
+        if scheduled is not None and dict(zip(ids, counts, strict=True)) != scheduled:
             from ..errors import AttributionError
 
             raise AttributionError(
@@ -261,6 +261,11 @@ class RunnerOrder:
                 "captures only what the scheduler attributes"
             )
         return ids
+
+
+def _ints(values: Any) -> list[int]:
+    """A runner's per-request numbers (numpy arrays, once a step) as Python ints, in one call where they are arrays."""
+    return values.tolist() if hasattr(values, "tolist") else [int(x) for x in values]
 
 
 _VLLM_COMPILE = 3  # vLLM's CompilationMode.VLLM_COMPILE (0.16 to 0.32; the older `level` PIECEWISE was 3 too)

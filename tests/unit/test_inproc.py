@@ -85,9 +85,11 @@ def test_not_in_a_step_in_progress_nor_with_other_ranks_to_meet():
 
 
 def test_found_only_for_its_own_engine_on_the_thread_that_steps_it():
-    cap, _ = capture()
+    cap, runner = capture()
     config, other = Config(), Config()
     inproc.register(config, cap)
+    assert inproc.capture_for(config) is None  # no step yet: the thread that steps it is unknown
+    step(cap, runner, sched(), [])
     assert inproc.capture_for(config) is cap
     assert inproc.capture_for(other) is None
     seen = []
@@ -97,8 +99,10 @@ def test_found_only_for_its_own_engine_on_the_thread_that_steps_it():
     assert seen == [None]  # another thread: a step of the engine may be running
     cap.close()  # unregisters
     assert inproc.capture_for(config) is None
-    again, _ = capture()
+    again, runner = capture()
     inproc.register(config, again)
+    step(again, runner, sched(), [])
+    assert inproc.capture_for(config) is again
     again.session.finish()
     del again
     gc.collect()

@@ -20,35 +20,36 @@ import weakref
 from types import SimpleNamespace
 from typing import Any
 
-# id(vllm_config) -> (the config, the worker's capture, the thread that runs its steps), both held weakly: an engine
-# dropped without a shutdown leaves nothing alive here, and an id reused by a later config finds a dead reference.
-_registered: dict[int, tuple[weakref.ref, weakref.ref, int]] = {}
+# id(vllm_config) -> (the config, the worker's capture), both held weakly: an engine dropped without a shutdown leaves
+# nothing alive here, and an id reused by a later config finds a dead reference.
+_registered: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 _lock = threading.Lock()
 
 
 def register(vllm_config: Any, cap: Any) -> None:
-    """The capture of a worker whose engine runs in this process (``wiring.build``), from the thread that loads the
-    model: in the caller's process that thread is the one that steps the engine."""
+    """The capture of a worker whose engine runs in this process (``wiring.build``)."""
     with _lock:
-        for k in [k for k, (vc, c, _t) in _registered.items() if vc() is None or c() is None]:
+        for k in [k for k, (vc, c) in _registered.items() if vc() is None or c() is None]:
             del _registered[k]
-        _registered[id(vllm_config)] = (weakref.ref(vllm_config), weakref.ref(cap), threading.get_ident())
+        _registered[id(vllm_config)] = (weakref.ref(vllm_config), weakref.ref(cap))
 
 
 def unregister(cap: Any) -> None:
     with _lock:
-        for k in [k for k, (_vc, c, _t) in _registered.items() if c() is cap]:
+        for k in [k for k, (_vc, c) in _registered.items() if c() is cap]:
             del _registered[k]
 
 
 def capture_for(vllm_config: Any) -> Any:
-    """The capture of this engine's worker when it runs in this process and on this thread, else None (the
-    connector's metadata then carries the tokens)."""
+    """The capture of this engine's worker when it runs in this process and its steps run on this thread (the one
+    that stepped it last: no step of it can be running now), else None (the connector's metadata then carries the
+    tokens)."""
     with _lock:
         entry = _registered.get(id(vllm_config))
-    if entry is None or entry[0]() is not vllm_config or entry[2] != threading.get_ident():
+    cap = entry[1]() if entry is not None and entry[0]() is vllm_config else None
+    if cap is None or cap.step_thread != threading.get_ident():
         return None
-    return entry[1]()
+    return cap
 
 
 def finish_outputs(cap: Any, outputs: dict[str, list[int]]) -> bool:

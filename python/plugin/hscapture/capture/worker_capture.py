@@ -12,6 +12,7 @@ to a vLLM worker (``wiring.py``); the constructor takes the parts, so tests buil
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -79,6 +80,7 @@ class WorkerCapture:
         self.times = StepTimes()  # this thread's host time per part of the step protocol
         self.host_ns = self.times.ns  # the forward's parts add up here (before_forward, hooks)
         self._active = False
+        self.step_thread: int | None = None  # the thread that began the last step (inproc.py)
         self._scheduled: dict[str, int] = {}
         self._total = 0
         self._forward_tokens = 0
@@ -126,6 +128,7 @@ class WorkerCapture:
         return outcomes
 
     def begin(self, scheduler_output: Any) -> None:
+        self.step_thread = threading.get_ident()
         if self.link is not None:
             self.link.new_step()
         try:  # device steps still in flight beyond the one overlap keeps are accounted here

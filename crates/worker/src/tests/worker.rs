@@ -421,20 +421,18 @@ fn a_server_sweeps_what_no_client_collected_and_says_so() {
     w.finish().unwrap();
 }
 
+/// A new request of a three-token prompt, generating at most `max_tokens`.
+fn three_token_prompt(id: &str, max_tokens: Option<usize>) -> NewRequest {
+    NewRequest { req_id: id.into(), prompt_token_ids: vec![1, 2, 3], num_computed_tokens: 0, sample: None, loss_mask: None, max_tokens }
+}
+
 #[test]
 fn a_growing_sample_that_could_outgrow_its_bound_is_refused_at_admission_alone() {
     let d = tempfile::tempdir().unwrap();
     let mut o = staged(d.path(), 1 << 30);
     o.max_growing_sample = 10 * 8; // a row: 1 slot × 2 values × 4 bytes; at most 10 rows
     let mut w = WorkerSession::new(cfg(true), o).unwrap();
-    let new = |id: &str, max_tokens| NewRequest {
-        req_id: id.into(),
-        prompt_token_ids: vec![1, 2, 3],
-        num_computed_tokens: 0,
-        sample: None,
-        loss_mask: None,
-        max_tokens: Some(max_tokens),
-    };
+    let new = |id: &str, max_tokens| three_token_prompt(id, Some(max_tokens));
     // big: 3 prompt + 9 generated, all but the last through a forward = 11 rows > 10; fits: 3 + 8 - 1 = 10 rows.
     let input = StepInput {
         new_requests: vec![new("big", 9), new("fits", 8)],
@@ -467,14 +465,7 @@ fn generated_tokens_refused_here_refuse_every_growing_sample_and_keep_the_prompt
     let mut o = staged(d.path(), 1 << 30);
     o.outputs_refused = Some("positions unknown here".into());
     let mut w = WorkerSession::new(cfg(true), o).unwrap();
-    let new = |id: &str, max_tokens| NewRequest {
-        req_id: id.into(),
-        prompt_token_ids: vec![1, 2, 3],
-        num_computed_tokens: 0,
-        sample: None,
-        loss_mask: None,
-        max_tokens,
-    };
+    let new = three_token_prompt;
     // grows: with and without max_tokens both refused; prompt: its prompt only, admitted.
     let input = StepInput {
         new_requests: vec![new("grows", Some(4)), new("unbounded", None), new("prompt", Some(4))],

@@ -22,8 +22,8 @@ pub struct OutputSettings {
     /// request whose prompt and `max_tokens` could exceed it is refused at admission (nothing captured, no file).
     pub max_growing_sample: u64,
     /// Why no sample may grow with its generated tokens here, or None: the engine's configuration leaves their
-    /// positions unknown where hscapture attributes them (`vllm_compat.outputs_refused`). Such a request is refused at
-    /// admission, as one that could outgrow the bound.
+    /// positions unknown where hscapture attributes them (`adapters/requested.py::outputs_refused`). Such a request
+    /// is refused at admission, as one that could outgrow the bound.
     pub outputs_refused: Option<String>,
 }
 

@@ -7,7 +7,7 @@ ids, which the connector sends with the next step's scheduler output. An engine 
 more to report finished requests; an engine in the caller's process steps only inside ``generate``, so after a call's
 last request no step comes: its file would wait for the next call while its client waits for the file. There the
 connector hands the tokens to the worker's capture at once, which completes the sample in a step of its own without
-rows (``WorkerCapture.finish_outputs``).
+rows (``finish_outputs`` below).
 
 Every other layout keeps the connector's metadata: the workers of another process (TP or PP over several processes)
 are not reachable from here, and an engine of its own process reports finished requests in the step it always runs.

@@ -159,8 +159,21 @@ def build(kind: str, path: str | Path, seed: int = 0, tokenizer: bool = True, dt
     at ``path``, weights saved
     in ``dtype`` (what ``dtype="auto"`` loads); returns the path. Reuses an identical earlier build.
     """
-    path = Path(path)
     want = {"kind": kind, "seed": seed, "tokenizer": tokenizer, "version": VERSION, "dtype": dtype}
+    return _cached(Path(path), want, lambda part: _build(kind, part, seed, tokenizer, dtype))
+
+
+def draft(target: str | Path, path: str | Path, noise: float = 0.1, seed: int = 7) -> Path:
+    """A draft model for speculative decoding at ``path``: tiny model ``target`` with Gaussian noise of ``noise`` times
+    each weight matrix's standard deviation added (embeddings and head kept, so the vocabulary is the same). Its
+    greedy tokens agree with the target's often but not always: at 0.1, about one draft token in five is accepted,
+    so steps both keep and reject drafts. Reuses an identical earlier build."""
+    target = Path(target)
+    want = {"draft_of": json.loads((target / "hscapture_tiny.json").read_text()), "noise": noise, "seed": seed}
+    return _cached(Path(path), want, lambda part: _build_draft(target, part, noise, seed))
+
+
+def _cached(path: Path, want: dict, make) -> Path:
     if _built(path, want):
         return path
     # Test processes share the cache (the suites run side by side): one builds, under a lock, into a folder of its
@@ -172,11 +185,27 @@ def build(kind: str, path: str | Path, seed: int = 0, tokenizer: bool = True, dt
             return path
         part = path.parent / f".{path.name}.part-{os.getpid()}"
         shutil.rmtree(part, ignore_errors=True)
-        _build(kind, part, seed, tokenizer, dtype)
+        make(part)
         (part / "hscapture_tiny.json").write_text(json.dumps(want))
         shutil.rmtree(path, ignore_errors=True)
         os.replace(part, path)
     return path
+
+
+def _build_draft(target: Path, path: Path, noise: float, seed: int) -> None:
+    import torch
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(str(target), torch_dtype="auto")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "embed" not in name and "lm_head" not in name:
+                p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * p.float().std().to(p.dtype) * noise)
+    model.save_pretrained(str(path))
+    for f in target.iterdir():  # the tokenizer's files, as the target has them
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name == "vocab.json":
+            shutil.copy2(f, path / f.name)
 
 
 def _built(path: Path, want: dict) -> bool:

@@ -3,10 +3,12 @@ driven by vLLM-shaped scheduler outputs (64 requests prefilled in one step, then
 prompt and response captured: `include_output_tokens`), for several layer counts. Prints µs per decode step in each
 part of the protocol (begin, plan before the forward, the hooks, end), measured where they are spent
 (`WorkerCapture.host_ns`), and how each grows with the layer count. The hooks' share includes copying the rows on
-the CPU (`hidden` × layers × requests); on the GPU that copy is a device launch instead.
+the CPU (`hidden` × layers × requests); with ``--device cuda`` the tensors are on the GPU and each hook is the
+device path's launch, as in an eager GPU decode step (the host's cost of a hook without the engine around it).
 
     python bench/step_host.py [--requests 64] [--prompt 32] [--decode 128] [--hidden 4096] [--layers 4,16,32]
     python bench/step_host.py --profile     # cProfile of the decode steps' host work, top functions
+    python bench/step_host.py --device cuda [--profile]
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def run(
     root: Path,
     profile: bool,
     background: bool = True,
+    device: str = "cpu",
+    outputs: bool = True,
 ) -> dict:
     layers = list(range(1, n_layers + 1))
     total_layers = n_layers + 2
@@ -55,14 +59,21 @@ def run(
     )
     if background:
         session.set_background(4)
+    path = None
+    if device == "cuda":  # as wiring.enable_device sets it up: one step in flight, pinned ring of 4 + 1
+        session.enable_device(
+            torch.cuda.current_device(), requests * prompt, 5 if background else 2, 1, False, requests
+        )
+        path = SimpleNamespace(kind="device", overlap=1, fp8=False)
     cfg = CaptureConfig(layers=tuple(layers), convention="after", out=str(root))
     runner = Runner()
-    cap = WorkerCapture(cfg, session, RankSync(SimpleNamespace(size=1, rank=0), 0, None), RunnerOrder(runner))
+    sync = RankSync(SimpleNamespace(size=1, rank=0), 0, None)
+    cap = WorkerCapture(cfg, session, sync, RunnerOrder(runner), path=path)
     ids = [f"r{i}" for i in range(requests)]
     meta = SimpleNamespace(hscapture=True, outputs={})
-    kv = {"kv_transfer_params": {"include_output_tokens": True}}
-    states = [torch.randn(requests * prompt, hidden, dtype=torch.bfloat16) for _ in layers]
-    residual = [torch.randn(requests * prompt, hidden, dtype=torch.bfloat16) for _ in layers]
+    kv = {"kv_transfer_params": {"include_output_tokens": outputs}}
+    states = [torch.randn(requests * prompt, hidden, dtype=torch.bfloat16, device=device) for _ in layers]
+    residual = [torch.randn(requests * prompt, hidden, dtype=torch.bfloat16, device=device) for _ in layers]
 
     worker = SimpleNamespace(_hscapture=cap)
 
@@ -98,9 +109,12 @@ def run(
     generated = [(7 * k) % 1000 + 4 for k in range(decode)]
     done = sched(finished=ids)
     done.kv_connector_metadata = SimpleNamespace(
-        hscapture=True, outputs={rid: new[i].prompt_token_ids + generated for i, rid in enumerate(ids)}
+        hscapture=True,
+        outputs={rid: new[i].prompt_token_ids + generated for i, rid in enumerate(ids)} if outputs else {},
     )
     step(done, [])
+    if device == "cuda":
+        torch.cuda.synchronize()
     steps = max(1, cap.host_ns["steps"])
     row = {k: cap.host_ns[k] / steps / 1000 for k in ("begin", "before_forward", "hooks", "end")}
     cap.flush()
@@ -119,6 +133,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--layers", default="4,16,32")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--prompt-only", action="store_true", help="prompt rows only: decode steps capture nothing")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the layers' tensors are")
     p.add_argument("--inline", action="store_true", help="scatter on the worker's thread (HSCAPTURE_ASSEMBLY=inline)")
     p.add_argument(
         "--busy-thread",
@@ -140,12 +156,24 @@ def main() -> None:
 
         threading.Thread(target=spin, daemon=True).start()
     print(
-        f"{a.requests} requests × ({a.prompt} prompt + {a.decode} decode steps), hidden {a.hidden}, bf16, CPU, {where}"
+        f"{a.requests} requests × ({a.prompt} prompt + {a.decode} decode steps), hidden {a.hidden}, bf16, "
+        f"{a.device.upper()}, {where}" + (", prompt rows only" if a.prompt_only else "")
     )
     print("layers | begin µs | plan µs | hooks µs (µs per layer) | end µs | files")
     for n in (int(x) for x in a.layers.split(",")):
         with tempfile.TemporaryDirectory() as d:
-            r = run(a.requests, a.prompt, a.decode, a.hidden, n, Path(d), a.profile, not a.inline)
+            r = run(
+                a.requests,
+                a.prompt,
+                a.decode,
+                a.hidden,
+                n,
+                Path(d),
+                a.profile,
+                not a.inline,
+                a.device,
+                not a.prompt_only,
+            )
         print(
             f"{n:6d} | {r['begin']:8.1f} | {r['before_forward']:7.1f} | {r['hooks']:8.1f} ({r['hooks'] / n:5.1f}) | "
             f"{r['end']:6.1f} | {r['files']}"

@@ -11,6 +11,7 @@
 //!
 //! Rows of `out` not named by a run are left untouched.
 
+#[cfg(test)]
 use crate::checksum::element_term;
 use crate::dtype::DType;
 
@@ -122,9 +123,30 @@ pub fn capture_rows(
     Ok(())
 }
 
+/// The part of `src` holding row `s`'s `width` elements (the caller has checked the bounds).
+fn row_bytes<'a>(src: &RowSource<'a>, s: usize) -> &'a [u8] {
+    let size = src.dtype.size();
+    let start = s * src.row_stride * size;
+    &src.data[start..start + src.width * size]
+}
+
 /// One row of the capture: source row `s` (plus the residual's) stored into `dst` as `dtype`; returns the stored
-/// row's checksum and its count of non-finite values. The caller has checked the bounds.
+/// row's checksum and its count of non-finite values. The caller has checked the bounds. Computed by
+/// [`crate::cpu_rows`], compiled per dtype triple; [`capture_row_reference`] is the definition it is held to.
 pub(crate) fn capture_row(hidden: &RowSource<'_>, residual: Option<&RowSource<'_>>, s: usize, dst: &mut [u8], dtype: DType) -> (u64, u32) {
+    let dst = &mut dst[..hidden.width * dtype.size()];
+    crate::cpu_rows::capture_row_typed((row_bytes(hidden, s), hidden.dtype), residual.map(|r| (row_bytes(r, s), r.dtype)), dst, dtype)
+}
+
+/// [`capture_row`] element by element through [`DType::load`] and [`DType::store`]: its definition.
+#[cfg(test)]
+pub(crate) fn capture_row_reference(
+    hidden: &RowSource<'_>,
+    residual: Option<&RowSource<'_>>,
+    s: usize,
+    dst: &mut [u8],
+    dtype: DType,
+) -> (u64, u32) {
     let h_off = s * hidden.row_stride;
     let mut sum = 0u64;
     let mut bad = 0u32;

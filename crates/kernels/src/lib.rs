@@ -13,6 +13,7 @@
 pub mod armed;
 pub mod checksum;
 pub mod cpu;
+mod cpu_rows;
 pub mod cuda;
 pub mod dtype;
 pub mod fp8;

@@ -228,6 +228,8 @@ def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: di
             print(f"[{name}/{mode}] their migrations between CPUs: {res['thread_migrations']}", flush=True)
         if "interrupts" in res:  # the machine's, over the rounds: TLB shootdowns, function calls, rescheduling, ticks
             print(f"[{name}/{mode}] interrupts over the rounds: {res['interrupts']}", flush=True)
+        if "clock" in res:  # the engine thread's CPU clock over the rounds (bench/clock.py): a slower core?
+            print(f"[{name}/{mode}] clocks over the rounds: {res['clock']}", flush=True)
         if "host_us_per_step" in res:
             print(f"[{name}/{mode}] host µs per step over {res['steps']} steps: {res['host_us_per_step']}", flush=True)
         if "slow_steps" in res:  # an average that a few long steps make, or every step's cost?

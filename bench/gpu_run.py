@@ -122,6 +122,26 @@ def interrupts() -> dict | None:
     return out
 
 
+def engine_thread(worker) -> tuple[int, int]:
+    """The worker's process and the thread this call runs on: the engine's (at TP 1 the engine core's busy loop
+    runs the worker and its calls)."""
+    import os
+    import threading
+
+    return os.getpid(), threading.get_native_id()
+
+
+def clock_sampler(llm):
+    """A started ``bench/clock.py`` sampler of the engine thread's CPU clock; None on failure."""
+    try:
+        from clock import ClockSampler
+
+        return ClockSampler(*llm.collective_rpc(engine_thread)[0]).start()
+    except Exception as e:  # noqa: BLE001 - a diagnosis only
+        print(f"clock sampling unavailable: {type(e).__name__}: {e}", flush=True)
+        return None
+
+
 def allocator_counts(llm) -> dict | None:
     try:
         return llm.collective_rpc(memory_stats)[0]
@@ -313,6 +333,7 @@ if __name__ == "__main__":
     mem0 = allocator_counts(llm)
     cpu0 = threads_used(llm, None)
     irq0 = interrupts()
+    clock = clock_sampler(llm)
     per, drains, parts = [], [], []
     for _ in range(rounds):
         place()
@@ -329,6 +350,8 @@ if __name__ == "__main__":
     mem1 = allocator_counts(llm)
     cpu1 = threads_used(llm, cpu0) if cpu0 is not None else None
     irq1 = interrupts()
+    if clock is not None:
+        clock.stop()
     if os.environ.get("HSBENCH_TORCH_PROFILE"):  # after the timed rounds: its overhead changes no figure above
         llm.start_profile()
         llm.generate(prompts[:batch], sp, use_tqdm=False)
@@ -355,6 +378,8 @@ if __name__ == "__main__":
         info["thread_migrations"] = {k: v[4] for k, v in list(cpu1.items())[:4]}
     if irq0 and irq1:  # the whole machine's, over the timed rounds
         info["interrupts"] = {k: irq1[k] - irq0.get(k, 0) for k in irq1}
+    if clock is not None and clock.summary():
+        info["clock"] = clock.summary()
     if capture:
         info["device_path"] = path
         st = [r for r in llm.collective_rpc("hscapture_stats") if r][0]

@@ -108,17 +108,21 @@ IRQ_KINDS = ("TLB", "CAL", "RES", "LOC")
 def interrupts() -> dict | None:
     """This machine's interrupts so far, summed over CPUs, of the kinds that take a core from a thread without its
     asking: TLB shootdowns (another thread of a process unmapped memory), function calls, rescheduling, timer ticks.
-    Many TLB shootdowns while the writer threads free large buffers would slow the engine's thread everywhere."""
+    Many TLB shootdowns while the writer threads free large buffers would slow the engine's thread everywhere. DEV:
+    every device's interrupts together (the disk's among them), whose handlers take cycles from whatever thread runs."""
     try:
         with open("/proc/interrupts") as f:
             lines = f.read().splitlines()
     except OSError:
         return None
-    n_cpus, out = len(lines[0].split()), {}
+    n_cpus, out = len(lines[0].split()), {"DEV": 0}
     for line in lines[1:]:
         kind, _, rest = line.partition(":")
+        n = sum(int(x) for x in rest.split()[:n_cpus] if x.isdigit())
         if kind.strip() in IRQ_KINDS:
-            out[kind.strip()] = sum(int(x) for x in rest.split()[:n_cpus] if x.isdigit())
+            out[kind.strip()] = n
+        elif kind.strip().isdigit():  # a device's (the disk's queues, the NIC's): their handlers run on any core
+            out["DEV"] += n
     return out
 
 

@@ -305,6 +305,10 @@ if __name__ == "__main__":
     def clear():  # the connector's files: read by nobody here; removed so that disk space stays flat
         if connector:
             for f in os.listdir(out):
+                # Not a file being written (hidden until renamed into place): the last requests' samples complete
+                # with the next step, after this clear (a partial removed under the writer failed the capture).
+                if f.startswith("."):
+                    continue
                 try:
                     os.unlink(os.path.join(out, f))
                 except FileNotFoundError:  # the last request's file, renamed into place meanwhile: next clear()

@@ -92,14 +92,8 @@ def _first_differences(runs: list[list[int]], baseline: list[list[int]]) -> list
     found = []
     for k, (got, want) in enumerate(zip(runs, baseline, strict=True)):
         if got != want:
-            found.append(
-                (
-                    k,
-                    next(
-                        (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
-                    ),
-                )
-            )
+            firsts = (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
+            found.append((k, next(firsts, min(len(got), len(want)))))
     return found
 
 

@@ -53,9 +53,11 @@ def serve(
     env=None,
     extra=(),
     mooncake: dict | None = None,
+    stage: Path | None = None,
 ):
-    """The issue's command as written: layers in additional_config, the connector's settings in its extra config."""
-    stage = tmp / f"stage-{fmt}-tp{tp}"
+    """The issue's command as written: layers in additional_config, the connector's settings in its extra config;
+    the files under ``stage`` (``tmp/stage-<format>-tp<tp>`` by default)."""
+    stage = stage or tmp / f"stage-{fmt}-tp{tp}"
     args = [*VLLM_ARGS, *extra, "--worker-cls", worker, "--tensor-parallel-size", str(tp)]
     args += ["--additional-config", json.dumps({"hscapture": {"layers": LAYERS, "convention": "before"}})]
     args += ["--kv-transfer-config", connector(stage, fmt, mooncake)]

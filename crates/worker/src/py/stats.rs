@@ -5,7 +5,8 @@ use pyo3::types::PyDict;
 
 use crate::worker::WorkerSession;
 
-/// steps, rows, samples, aborted, skipped, live_requests, held_bytes; and the nanoseconds the worker's thread spent
+/// steps, rows, samples, aborted, skipped, refused, failed_requests (samples a server could not store, each failing its
+/// request alone), live_requests, held_bytes; and the nanoseconds the worker's thread spent
 /// in each call of the step protocol (`ns_*`, summed over the run), waits included.
 pub fn stats<'py>(py: Python<'py>, w: &WorkerSession) -> PyResult<Bound<'py, PyDict>> {
     let (st, live_requests, held_bytes) = w.totals();
@@ -16,6 +17,7 @@ pub fn stats<'py>(py: Python<'py>, w: &WorkerSession) -> PyResult<Bound<'py, PyD
     d.set_item("aborted", st.aborted)?;
     d.set_item("skipped", st.skipped)?;
     d.set_item("refused", st.refused)?;
+    d.set_item("failed_requests", w.failed_requests())?;
     d.set_item("live_requests", live_requests)?;
     d.set_item("held_bytes", held_bytes)?;
     let t = w.times;

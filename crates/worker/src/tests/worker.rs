@@ -371,15 +371,9 @@ fn a_staged_request_with_degenerate_states_gives_up_its_lock_at_once() {
     w.finish().unwrap();
 }
 
-#[test]
-fn a_failed_write_gives_up_every_lock_the_server_holds() {
-    // Before, only a completed write or an abort released a lock: after a writer failure, every other request's lock
-    // stayed held for as long as the process lived, and its client waited on it. Now the first failure gives them up.
-    let d = tempfile::tempdir().unwrap();
-    let o = staged(d.path(), 1 << 30);
-    let mut w = WorkerSession::new(cfg(true), o).unwrap();
-    std::fs::create_dir(d.path().join("r0.safetensors")).unwrap(); // r0's file cannot be renamed into place
-                                                                   // r9 captures its generated tokens: its lock is held from its first step, its file comes when it finishes.
+/// A step opening `r9`, which captures its generated tokens (its lock is held from this step, its file comes when it
+/// finishes), beside `r0`'s whole prompt.
+fn open_r9_beside_r0(w: &mut WorkerSession) {
     let mut opened = whole_prompt("r9", vec![7, 8], None);
     opened.with_outputs = vec!["r9".into()];
     opened.new_requests.extend(whole_prompt("r0", vec![1, 2, 3], None).new_requests);
@@ -392,14 +386,44 @@ fn a_failed_write_gives_up_every_lock_the_server_holds() {
     // SAFETY: `h` lives for the call and nobody writes it.
     unsafe { w.capture(0, None, &t, None, 0).unwrap() };
     w.end_step().unwrap();
+}
+
+#[test]
+fn a_file_that_cannot_be_written_fails_its_request_alone_and_the_server_serves_on() {
+    // Before, a failed write was the capture's: the engine stopped, and every request in flight failed with it (a
+    // full disk, or a partial file removed under the writer, as the benchmark's own cleaner once did).
+    use std::fs::File;
+    let d = tempfile::tempdir().unwrap();
+    let mut w = WorkerSession::new(cfg(true), staged(d.path(), 1 << 30)).unwrap();
+    std::fs::create_dir_all(d.path().join("r0.safetensors/x")).unwrap(); // r0's file cannot be renamed into place
+    open_r9_beside_r0(&mut w);
+    w.release().unwrap(); // r0 goes to the writer, whose rename fails
+    w.drain().expect("r0's failure is its own, not the capture's");
+    File::open(d.path().join("r0.safetensors.lock")).unwrap().try_lock().expect("r0's client stops waiting");
+    assert!(!d.path().join("r0.safetensors").is_file(), "and finds no file: an error for r0 alone");
+    let r9 = File::open(d.path().join("r9.safetensors.lock")).unwrap();
+    assert!(r9.try_lock().is_err(), "r9, still generating, keeps its lock: its file will come");
+    let notes = w.take_notes();
+    assert!(notes.iter().any(|n| n.contains("\"r0\"") && n.contains("fails alone")), "{notes:?}");
+    step(&mut w, 1);
+    w.drain().unwrap();
+    assert!(d.path().join("r1.safetensors").is_file(), "the next request is served and written");
+    assert_eq!(w.failed_requests(), 1);
+    w.finish().expect("a server whose requests failed alone finishes cleanly");
+}
+
+#[test]
+fn a_capture_wide_failure_gives_up_every_lock_the_server_holds() {
+    // Before, only a completed write or an abort released a lock: after a failure of the capture (its assembler
+    // thread, a device step, a store that takes nothing), every request's lock stayed held for as long as the process
+    // lived, and its client waited on it. Now the first failure gives them up, on the thread that failed.
+    let d = tempfile::tempdir().unwrap();
+    let mut w = WorkerSession::new(cfg(true), staged(d.path(), 1 << 30)).unwrap();
+    open_r9_beside_r0(&mut w);
     assert!(d.path().join("r9.safetensors.lock").exists());
-    let _ = w.release(); // r0 goes to the writer, whose rename fails
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while d.path().join("r9.safetensors.lock").exists() && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(5)); // no later call into the session
-    }
+    w.session().failure().report("the assembler thread failed earlier", crate::core_err!(Output, "a test's failure"));
     assert!(!d.path().join("r9.safetensors.lock").exists(), "r9's client finds no lock (an error), never a wait");
-    assert!(w.finish().is_err(), "the write's failure is the capture's");
+    assert!(w.release().is_err() && w.finish().is_err(), "the failure is the capture's");
 }
 
 #[test]

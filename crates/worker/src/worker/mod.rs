@@ -130,7 +130,11 @@ impl WorkerSession {
                 crate::output::sinks::staging::check_flock(root)?;
                 let locks = Arc::new(Locks::new(root, slow_disk.clone()));
                 let held = Arc::clone(&locks);
-                session.set_completion_hook(Arc::new(move |req: &str, rows: Option<usize>| held.hold(req, rows)));
+                // A lock that cannot be taken fails its request alone (`Locks::hold_or_fail`).
+                session.set_completion_hook(Arc::new(move |req: &str, rows: Option<usize>| {
+                    held.hold_or_fail(req, rows);
+                    Ok(())
+                }));
                 // A refused sample (degenerate states) never gets a file: its client finds none, and does not wait.
                 let refused = Arc::clone(&locks);
                 session.set_refusal_hook(Arc::new(move |r: &Refusal| refused.abandon(&r.req_id)));
@@ -213,9 +217,11 @@ impl WorkerSession {
         }
     }
 
-    /// What happened since the last call that the caller should log (a stalled writer, a sweep).
+    /// What happened since the last call that the caller should log (a stalled writer, a sweep, requests whose
+    /// samples could not be stored).
     pub fn take_notes(&mut self) -> Vec<String> {
         if let Output::Files(w) = &self.output {
+            self.notes.extend(w.take_failed_note(false));
             let dropped = w.take_dropped();
             if dropped > 0 {
                 self.notes.push(format!(
@@ -413,7 +419,11 @@ impl WorkerSession {
             first = self.route(Vec::new(), true).err();
         }
         let finished = match &mut self.output {
-            Output::Files(w) => w.finish(),
+            Output::Files(w) => {
+                let r = w.finish();
+                self.notes.extend(w.take_failed_note(true)); // the last word on them (`take_notes` after this)
+                r
+            }
             _ => Ok(Vec::new()),
         };
         // Every sample the writer will ever write is written: a lock still held promises a file that will not come

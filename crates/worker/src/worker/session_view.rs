@@ -82,4 +82,12 @@ impl WorkerSession {
     pub fn totals(&self) -> (&SessionStats, usize, usize) {
         (self.session.stats(), self.session.tracker().live_requests(), self.session.held_bytes())
     }
+
+    /// Requests whose samples could not be stored, each failed alone (a server's output), so far.
+    pub fn failed_requests(&self) -> u64 {
+        match &self.output {
+            super::Output::Files(w) => w.failed_requests(),
+            _ => 0,
+        }
+    }
 }

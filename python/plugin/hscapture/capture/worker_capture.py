@@ -123,9 +123,12 @@ class WorkerCapture:
         accounted so far is agreed on, and only then are its samples stored (``release``)."""
         outcomes = self.sync.meet(what, call)
         self._recorded(self.session.release)
-        for note in self.session.take_notes():  # a stalled writer, a sweep of the staging directory
-            log.warning("hscapture: %s", note)
+        self._log_notes()
         return outcomes
+
+    def _log_notes(self) -> None:
+        for note in self.session.take_notes():  # a stalled writer, a sweep, requests that failed alone
+            log.warning("hscapture: %s", note)
 
     def begin(self, scheduler_output: Any) -> None:
         self.step_thread = threading.get_ident()
@@ -324,6 +327,7 @@ class WorkerCapture:
             self.session.finish()  # the writer still writes what it holds and stops; then the error
             raise
         records = list(self._recorded(self.session.finish))
+        self._log_notes()
         identity = dict(self.session.identity())
         return {
             "traced_calls": traced_calls,
@@ -362,6 +366,7 @@ class WorkerCapture:
                 except HscaptureError as e:  # the writer's error again, say: recorded, logged, not raised
                     self.sync.failed(e)
                     log.error("hscapture: closing the capture: %s", e)
+            self._log_notes()
 
     def shutdown(self) -> None:
         """vLLM stops this worker (SIGTERM, the engine's shutdown): the samples already agreed on are written before

@@ -65,7 +65,7 @@ fn a_quantizing_device_needs_every_slot_on_the_assembling_rank() {
 struct Seen(std::sync::Mutex<Vec<(String, bool)>>);
 
 impl crate::output::sinks::sink::Sink for Seen {
-    fn put(&self, s: &crate::sample::Sample) -> crate::error::CoreResult<crate::output::ledger::record::SampleRecord> {
+    fn put(&self, s: &crate::sample::Sample) -> Result<crate::output::ledger::record::SampleRecord, crate::output::sinks::sink::NotStored> {
         self.0.lock().unwrap().push((s.req_id.clone(), s.scales.is_some()));
         let rec = crate::output::ledger::record::SampleRecord {
             index: None,

@@ -13,11 +13,37 @@ use crate::output::sinks::dirlock::WriterLock;
 use crate::output::sinks::staging::{self, Locks};
 use crate::sample::Sample;
 use crate::sample::SampleKey;
-use crate::{core_err, ensure, error::CoreResult};
+use crate::{core_err, ensure, error::CoreError, error::CoreResult};
 
 pub trait Sink: Send + Sync {
     /// Stores `sample`; returns its record once it is safely stored.
-    fn put(&self, sample: &Sample) -> CoreResult<SampleRecord>;
+    fn put(&self, sample: &Sample) -> Result<SampleRecord, NotStored>;
+}
+
+/// Why a sample was not stored, and whom that fails: the sink decides, since it knows whether the sample's client
+/// learns of it by itself.
+#[derive(Debug)]
+pub enum NotStored {
+    /// Its request alone: the client learns of it (a per-request file is absent once its lock goes; the store holds
+    /// the object's error marker), and the sink takes the next sample (`failed.rs`).
+    Request(CoreError),
+    /// The capture: a gap nobody would learn of otherwise (a capture directory's, or a store that takes no error
+    /// marker either).
+    Capture(CoreError),
+}
+
+impl NotStored {
+    pub fn error(&self) -> &CoreError {
+        match self {
+            NotStored::Request(e) | NotStored::Capture(e) => e,
+        }
+    }
+}
+
+impl From<CoreError> for NotStored {
+    fn from(e: CoreError) -> NotStored {
+        NotStored::Capture(e)
+    }
 }
 
 /// How a sink lays files out under its root.
@@ -80,9 +106,24 @@ impl FileSink {
 }
 
 impl Sink for FileSink {
-    fn put(&self, sample: &Sample) -> CoreResult<SampleRecord> {
-        let file = match &self.locks {
+    fn put(&self, sample: &Sample) -> Result<SampleRecord, NotStored> {
+        match &self.locks {
+            // A per-request file that cannot be written fails its request alone: its client finds no file once the
+            // lock goes (or no lock and no file), and the next request's file may fit.
+            Some(locks) => self.put_file(sample, Some(locks)).map_err(NotStored::Request),
+            None => Ok(self.put_file(sample, None)?),
+        }
+    }
+}
+
+impl FileSink {
+    fn put_file(&self, sample: &Sample, locks: Option<&Arc<Locks>>) -> CoreResult<SampleRecord> {
+        let file = match locks {
             Some(locks) => {
+                if let Some(e) = locks.take_unheld(&sample.req_id) {
+                    let why = format!("its lock could not be taken, so its file is not written and its client finds none: {}", e.message);
+                    return Err(CoreError { message: why, ..e });
+                }
                 locks.slow_disk.wait();
                 staging::file_name(&sample.req_id)
             }
@@ -93,8 +134,8 @@ impl Sink for FileSink {
             .format
             .encode(sample, &self.identity)
             .and_then(|parts| write_placed(&path, self.durability, |w| parts.iter().try_for_each(|p| w.write_all(p))));
-        if let Some(locks) = &self.locks {
-            locks.release(&sample.req_id); // the file is in place (or never will be: the capture failed)
+        if let Some(locks) = locks {
+            locks.release(&sample.req_id); // the file is in place, or never will be (its client finds none)
         }
         let (written, placed_file) = placed?;
         if let Some(f) = placed_file {

@@ -92,6 +92,8 @@ struct Held {
 pub struct Locks {
     root: PathBuf,
     held: Mutex<HashMap<String, Held>>,
+    /// Requests whose lock could not be taken, and why: their samples are never written (`hold_or_fail`).
+    unheld: Mutex<HashMap<String, crate::CoreError>>,
     /// Signalled whenever a lock goes.
     freed: Condvar,
     /// Rows of samples completed since [`Locks::take_completed_rows`] last ran.
@@ -141,6 +143,7 @@ impl Locks {
         Locks {
             root: root.to_path_buf(),
             held: Mutex::new(HashMap::new()),
+            unheld: Mutex::new(HashMap::new()),
             freed: Condvar::new(),
             fresh_rows: AtomicUsize::new(0),
             slow_disk,
@@ -181,6 +184,31 @@ impl Locks {
         Ok(())
     }
 
+    fn unheld(&self) -> std::sync::MutexGuard<'_, HashMap<String, crate::CoreError>> {
+        self.unheld.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// [`Locks::hold`] for a server, where a lock that cannot be taken (a full disk, the directory removed) fails
+    /// only its request: its sample is never written ([`Locks::take_unheld`]), so its client, finding neither lock
+    /// nor file, meets an error rather than a file no lock guarded. A later hold that succeeds (a request that
+    /// captures its generated tokens is held again when it completes) lifts that.
+    pub fn hold_or_fail(&self, req_id: &str, rows: Option<usize>) {
+        match self.hold(req_id, rows) {
+            Ok(()) => {
+                self.unheld().remove(req_id);
+            }
+            Err(e) => {
+                self.unheld().insert(req_id.to_string(), e);
+            }
+        }
+    }
+
+    /// Why request `req_id`'s lock could not be taken, if it could not; forgotten here (its sample is the last to
+    /// ask).
+    pub fn take_unheld(&self, req_id: &str) -> Option<crate::CoreError> {
+        self.unheld().remove(req_id)
+    }
+
     /// Releases request `req_id`'s lock: its file is in place (or will never be).
     pub fn release(&self, req_id: &str) {
         self.lock().remove(req_id);
@@ -190,6 +218,7 @@ impl Locks {
     /// Releases request `req_id`'s lock and removes its lock file, if this process holds it: the request ended
     /// without a sample (aborted), so no response names the file and no client will come for either.
     pub fn abandon(&self, req_id: &str) {
+        self.unheld().remove(req_id);
         if self.lock().remove(req_id).is_some() {
             let _ = std::fs::remove_file(lock_path(&self.root.join(file_name(req_id))));
         }
@@ -199,6 +228,7 @@ impl Locks {
     /// Gives up every lock this process holds and removes their lock files: the capture failed, so none of their
     /// files will be written; a client waiting for one finds no file (an error), never a lock held for ever.
     pub fn abandon_all(&self) {
+        self.unheld().clear();
         let held: Vec<String> = self.lock().drain().map(|(id, _)| id).collect();
         for id in held {
             let _ = std::fs::remove_file(lock_path(&self.root.join(file_name(&id))));
@@ -256,135 +286,5 @@ impl Locks {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::fs::TryLockError;
-
-    #[test]
-    fn ids_of_any_length_and_bytes_get_bounded_safe_distinct_names() {
-        assert_eq!(file_name("cmpl-abc-0-1f2e3d4c"), "cmpl-abc-0-1f2e3d4c.safetensors", "vLLM's ids stay readable");
-        let long = format!("cmpl-{}-0-1f2e3d4c", "x".repeat(300));
-        let names = [
-            file_name("x/1"),
-            file_name("x_1"),
-            file_name("x 1"),
-            file_name(&long),
-            file_name(&format!("{long}y")),
-            file_name(".."),
-            file_name(""),
-            file_name("é/../../etc"),
-            file_name(&"/".repeat(4000)),
-        ];
-        for n in &names {
-            assert!(n.len() + ".lock".len() + ".partial-4294967295-18446744073709551615".len() < 255, "{n}: too long");
-            let safe = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '~');
-            assert!(n.chars().all(safe) && !n.starts_with('.'), "{n}: not a safe name");
-        }
-        let distinct: std::collections::HashSet<_> = names.iter().collect();
-        assert_eq!(distinct.len(), names.len(), "distinct ids share a name: {names:?}");
-        assert_ne!(file_name("x_1~00"), file_name("x/1"), "a verbatim id never takes a digest name's form");
-    }
-
-    #[test]
-    fn flock_is_checked_where_the_files_go() {
-        let d = tempfile::tempdir().unwrap();
-        check_flock(d.path()).unwrap();
-        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0, "the probe leaves nothing behind");
-        let e = check_flock(&d.path().join("missing")).unwrap_err();
-        assert!(e.message.contains("must exist and be writable"), "{e}");
-    }
-
-    #[test]
-    fn ids_that_differ_only_in_unsafe_characters_hold_their_own_locks() {
-        // Before, `x/1` and `x_1` shared `x_1.safetensors.lock`: this process would wait on a flock it held itself.
-        let d = tempfile::tempdir().unwrap();
-        let locks = Locks::new(d.path(), SlowDisk::default());
-        locks.hold("x/1", None).unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let l = std::sync::Arc::new(locks);
-        let l2 = std::sync::Arc::clone(&l);
-        std::thread::spawn(move || tx.send(l2.hold("x_1", None).is_ok()).unwrap());
-        assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(true), "the second request waited on the first's lock");
-        assert_eq!(l.held(), 2);
-    }
-
-    #[test]
-    fn a_lock_is_held_until_released_and_its_file_left_for_the_client() {
-        let d = tempfile::tempdir().unwrap();
-        let locks = Locks::new(d.path(), SlowDisk::default());
-        assert_eq!(file_name("cmpl-a1-0-b2"), "cmpl-a1-0-b2.safetensors");
-        locks.hold("r-1", Some(3)).unwrap();
-        let path = lock_path(&d.path().join(file_name("r-1")));
-        let other = File::open(&path).unwrap();
-        assert!(matches!(other.try_lock(), Err(TryLockError::WouldBlock)), "a client waits while the writer holds it");
-        locks.release("r-1");
-        other.try_lock().unwrap();
-        assert!(path.exists(), "the client removes the lock file, not the writer");
-        assert_eq!(locks.held(), 0);
-        locks.hold("r-2", None).unwrap();
-        locks.hold("r-2", Some(5)).unwrap(); // held already: not locked twice (which would wait for itself)
-        assert_eq!((locks.waiting_rows(), locks.take_completed_rows(), locks.take_completed_rows()), (5, 8, 0));
-        locks.abandon("r-2");
-        assert!(!lock_path(&d.path().join(file_name("r-2"))).exists(), "an abandoned request's lock file is removed");
-        locks.abandon("r-1"); // not held (released before): its file is the client's, left alone
-        assert!(path.exists());
-    }
-
-    #[test]
-    fn room_is_waited_for_among_complete_samples_only() {
-        let d = tempfile::tempdir().unwrap();
-        let locks = std::sync::Arc::new(Locks::new(d.path(), SlowDisk::default()));
-        locks.hold("generating", None).unwrap(); // completes after many steps: never waited for
-        locks.hold("a", Some(10)).unwrap();
-        locks.hold("b", Some(10)).unwrap();
-        locks.wait_for_room(20, STALL_DEADLINE, || None).unwrap();
-        let l = std::sync::Arc::clone(&locks);
-        let writer = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(100));
-            l.release("a");
-        });
-        let t = Instant::now();
-        locks.wait_for_room(10, STALL_DEADLINE, || None).unwrap();
-        assert!(t.elapsed() >= Duration::from_millis(90), "waited for a's file");
-        writer.join().unwrap();
-        let e = locks.wait_for_room(0, STALL_DEADLINE, || Some(crate::core_err!(Output, "the writer failed"))).unwrap_err();
-        assert!(e.message.contains("the writer failed"), "a failed capture ends the wait: {e}");
-    }
-
-    #[test]
-    fn a_slow_disk_holds_each_write_while_its_hold_file_exists() {
-        let d = tempfile::tempdir().unwrap();
-        let hold = d.path().join("hold");
-        std::fs::write(&hold, b"").unwrap();
-        let disk = SlowDisk { delay: Duration::from_millis(20), hold_while: Some(hold.clone()) };
-        let (tx, rx) = std::sync::mpsc::channel();
-        let waiter = std::thread::spawn(move || {
-            disk.wait();
-            tx.send(()).unwrap();
-        });
-        assert!(rx.recv_timeout(Duration::from_millis(300)).is_err(), "held while the file exists");
-        std::fs::remove_file(&hold).unwrap();
-        rx.recv_timeout(Duration::from_secs(30)).expect("released once it is removed");
-        waiter.join().unwrap();
-    }
-}
-
-#[cfg(test)]
-mod stall_tests {
-    use super::*;
-
-    #[test]
-    fn a_backlog_that_does_not_drain_is_reported_after_the_deadline_not_waited_on_forever() {
-        let d = tempfile::tempdir().unwrap();
-        let locks = Locks::new(d.path(), SlowDisk::default());
-        locks.hold("a", Some(10)).unwrap();
-        assert_eq!(locks.wait_for_room(10, Duration::from_secs(5), || None).unwrap(), None, "within the backlog");
-        let t = Instant::now();
-        let stalled = locks.wait_for_room(4, Duration::from_millis(200), || None).unwrap().expect("stalled");
-        assert!(t.elapsed() >= Duration::from_millis(200) && t.elapsed() < Duration::from_secs(5));
-        assert_eq!((stalled.files, stalled.rows, stalled.limit), (1, 10, 4));
-        assert!(stalled.to_string().contains("the disk is full, hung"), "{stalled}");
-        let e = locks.wait_for_room(4, Duration::from_secs(60), || Some(core_err!(Output, "the writer failed")));
-        assert!(e.is_err(), "a failed capture ends the wait at once");
-    }
-}
+#[path = "tests/staging.rs"]
+mod tests;

@@ -3,7 +3,10 @@
 //! Samples go through a bounded queue: when the sink is slower than capture, `submit` blocks
 //! (backpressure) instead of letting memory grow. A failed write goes to the capture's [`Failure`]
 //! and is reported by the next `submit`, `poll` or `finish`; the samples already queued are still
-//! written (they are whole and correct); a panicking thread is reported, never silently lost.
+//! written (they are whole and correct); a panicking thread is reported, never silently lost. A sample the sink
+//! could not store for its request alone ([`NotStored::Request`]: a server's, whose client learns of it by itself)
+//! is counted in [`FailedRequests`] instead, and the writer goes on; a panic still fails the capture (it is
+//! hscapture's bug, not the request's).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -14,7 +17,8 @@ use crossbeam_channel::{bounded, Sender, TrySendError};
 
 use crate::failure::Failure;
 use crate::output::ledger::record::SampleRecord;
-use crate::output::sinks::sink::Sink;
+use crate::output::sinks::failed::FailedRequests;
+use crate::output::sinks::sink::{NotStored, Sink};
 use crate::sample::pool::BufferPool;
 use crate::sample::Sample;
 use crate::{core_err, error::CoreResult};
@@ -45,6 +49,8 @@ struct Shared {
     dropped: usize,
     /// Samples written or failed so far.
     done: u64,
+    /// Samples that failed their requests alone.
+    failed: FailedRequests,
 }
 
 struct State {
@@ -133,21 +139,30 @@ impl Writer {
                 .name(format!("hscapture-writer-{t}"))
                 .spawn(move || {
                     for sample in rx.iter() {
-                        let r = catch_unwind(AssertUnwindSafe(|| sink.put(&sample)))
-                            .unwrap_or_else(|_| Err(core_err!(Output, "the writer thread panicked while writing {}", sample.key)));
+                        let r = catch_unwind(AssertUnwindSafe(|| sink.put(&sample)));
                         if let Some(p) = &pool {
                             p.put(sample.data);
                         }
                         let mut g = lock(&state.shared);
+                        let r = match r {
+                            Ok(Ok(rec)) => Ok(Some(rec)),
+                            Ok(Err(NotStored::Request(e))) => {
+                                g.failed.record(&sample.req_id, &e);
+                                Ok(None)
+                            }
+                            Ok(Err(NotStored::Capture(e))) => Err(e),
+                            Err(_) => Err(core_err!(Output, "the writer thread panicked while writing {}", sample.key)),
+                        };
                         match r {
-                            Ok(rec) if keep => {
+                            Ok(None) => {}
+                            Ok(Some(rec)) if keep => {
                                 if g.records.len() >= UNTAKEN_RECORDS {
                                     g.records.drain(..UNTAKEN_RECORDS / 2);
                                     g.dropped += UNTAKEN_RECORDS / 2;
                                 }
                                 g.records.push(rec)
                             }
-                            Ok(_) => {}
+                            Ok(Some(_)) => {}
                             Err(e) => {
                                 state.failure.report(ORIGIN, e);
                             }
@@ -192,12 +207,23 @@ impl Writer {
         self.poll()
     }
 
-    /// Records written so far (removed from the writer).
     /// How many records were dropped, untaken, since the last call.
     pub fn take_dropped(&self) -> usize {
         std::mem::take(&mut lock(&self.state.shared).dropped)
     }
 
+    /// The log line for the requests whose samples failed since the last one, when one is due (see
+    /// [`FailedRequests::take_note`]; `last`: the output is finishing).
+    pub fn take_failed_note(&self, last: bool) -> Option<String> {
+        lock(&self.state.shared).failed.take_note(std::time::Instant::now(), last)
+    }
+
+    /// Requests whose samples could not be stored (each failed alone), so far.
+    pub fn failed_requests(&self) -> u64 {
+        lock(&self.state.shared).failed.total()
+    }
+
+    /// Records written so far (removed from the writer).
     pub fn take_records(&self) -> Vec<SampleRecord> {
         std::mem::take(&mut lock(&self.state.shared).records)
     }

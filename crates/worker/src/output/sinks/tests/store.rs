@@ -51,15 +51,17 @@ fn a_sample_is_one_object_under_its_request_s_key() {
 }
 
 #[test]
-fn a_failed_put_leaves_its_marker_and_fails() {
+fn a_put_whose_marker_cannot_be_stored_either_fails_the_capture() {
     let mem = Arc::new(Memory { refuse: vec!["r-full".into()], ..Memory::default() });
     let sink = StoreSink::new(mem.clone());
-    let e = sink.put(&sample("r-full", 2)).unwrap_err();
+    let NotStored::Capture(e) = sink.put(&sample("r-full", 2)).unwrap_err() else {
+        panic!("a store that takes no marker either is unreachable: the capture stops")
+    };
     assert!(e.message.contains("not stored") && e.message.contains("-200") && e.message.contains("r-full:error"), "{e}");
-    // the marker could not be stored either (the same refusal): the error says what the trainer will see
+    // the marker could not be stored either (the same refusal): the error says why the capture stops
     let objects = mem.objects.lock().unwrap();
     assert!(objects.is_empty());
-    assert!(e.message.contains("times out"), "{e}");
+    assert!(e.message.contains("unreachable"), "{e}");
 }
 
 #[test]
@@ -76,7 +78,9 @@ fn the_marker_holds_the_reason_as_json() {
     }
     let store = Arc::new(DataRefused(Mutex::default()));
     let sink = StoreSink::new(store.clone());
-    let e = sink.put(&sample("r", 2)).unwrap_err();
+    let NotStored::Request(e) = sink.put(&sample("r", 2)).unwrap_err() else {
+        panic!("the trainer learns of it from the marker: the request fails alone")
+    };
     assert!(e.message.contains("the trainer finds this error under r:error"), "{e}");
     let marker: serde_json::Value = serde_json::from_slice(&store.0.lock().unwrap()["r:error"]).unwrap();
     assert!(marker["error"].as_str().unwrap().contains("-900"));

@@ -127,7 +127,7 @@ fn try_submit_gives_a_sample_back_when_the_queue_is_full_and_loses_nothing() {
 struct Counting;
 
 impl crate::output::sinks::sink::Sink for Counting {
-    fn put(&self, s: &Sample) -> CoreResult<SampleRecord> {
+    fn put(&self, s: &Sample) -> Result<SampleRecord, NotStored> {
         let SampleKey::Index(i) = s.key else { unreachable!() };
         Ok(SampleRecord { index: Some(i), request_id: None, file: String::new(), length: s.rows, checksum: String::new(), bytes: 0 })
     }
@@ -151,4 +151,44 @@ fn records_nobody_takes_stay_bounded_and_the_drop_is_counted() {
     assert_eq!(w.take_dropped(), 0, "counted once");
     assert_eq!(recs.iter().filter_map(|r| r.index).min(), Some((UNTAKEN_RECORDS / 2) as u64), "the oldest go");
     w.finish().unwrap();
+}
+
+/// Fails the odd samples for their requests alone (a server's per-request files on a full disk).
+struct OddsFailAlone;
+
+impl crate::output::sinks::sink::Sink for OddsFailAlone {
+    fn put(&self, s: &Sample) -> Result<SampleRecord, NotStored> {
+        let SampleKey::Index(i) = s.key else { unreachable!() };
+        if i % 2 == 1 {
+            return Err(NotStored::Request(crate::core_err!(Output, "no space left for r{i}")));
+        }
+        Ok(SampleRecord { index: Some(i), request_id: None, file: String::new(), length: s.rows, checksum: String::new(), bytes: 0 })
+    }
+}
+
+#[test]
+fn a_sample_that_fails_its_request_alone_leaves_the_writer_and_the_capture_running() {
+    let failure = Failure::new();
+    let mut w =
+        Writer::start(Arc::new(OddsFailAlone), WriterConfig { threads: 2, queue: 2, pool: None, keep_records: true }, failure.clone())
+            .unwrap();
+    for i in 0..10 {
+        w.submit(sample(i)).unwrap();
+    }
+    w.drain().unwrap();
+    let mut written: Vec<Option<u64>> = w.take_records().iter().map(|r| r.index).collect();
+    written.sort();
+    assert_eq!(written, [0, 2, 4, 6, 8].map(Some), "every other sample is written");
+    assert!(!failure.is_set(), "no capture-wide failure");
+    assert_eq!(w.failed_requests(), 5);
+    let note = w.take_failed_note(false).expect("the first failures are reported at once");
+    assert!(note.contains("no space left for r") && note.contains("(5 in all)") && note.contains("4 more"), "{note}");
+    assert_eq!(w.take_failed_note(true), None, "nothing new to report");
+    w.submit(sample(11)).unwrap();
+    w.submit(sample(12)).unwrap();
+    w.drain().unwrap();
+    assert_eq!(w.take_failed_note(false), None, "the next line waits for the interval");
+    let last = w.take_failed_note(true).expect("the last word reports what is left");
+    assert!(last.contains("\"r11\"") && last.contains("(6 in all)"), "{last}");
+    assert_eq!(w.finish().unwrap().len(), 1, "sample 12's record");
 }

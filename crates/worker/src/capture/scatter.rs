@@ -184,7 +184,10 @@ fn work_one(w: &mut Work<'_>, rows: &dyn StepRows, g: Geometry, names: &[String]
 /// request's buffer) when the step is large.
 fn scatter_all(work: &mut [Work<'_>], rows: &(dyn StepRows + Sync), g: Geometry, names: &[String], emit: Option<Emit<'_>>) {
     let bytes: usize = work.iter().map(|w| w.seg.len).sum::<usize>() * g.slots * g.row_bytes();
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8).min(work.len());
+    // Read once: `available_parallelism` reads the affinity mask and the cgroup's quota files on every call.
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = cores.min(8).min(work.len());
     if threads <= 1 || bytes < (8 << 20) {
         work.iter_mut().for_each(|w| work_one(w, rows, g, names, emit));
         return;

@@ -325,6 +325,7 @@ class WorkerCapture:
             self.flush()
         except HscaptureError:
             self.session.finish()  # the writer still writes what it holds and stops; then the error
+            self._log_notes()
             raise
         records = list(self._recorded(self.session.finish))
         self._log_notes()

@@ -2,7 +2,8 @@
 //! written (a full disk, its partial file removed under the writer, a lock file that could not be created) or an
 //! object the store refused. Each client learns of its own (no file once the lock goes, or the store's error
 //! marker); the server serves on, and a file that fits once the disk has room again is written. The operator reads
-//! it in the worker's log: the first failure at once, then at most one line every [`NOTE_EVERY`], with counts.
+//! it in the worker's log: the first failure at its next step (or shutdown), then at most one line every
+//! [`NOTE_EVERY`], with counts.
 
 use std::time::{Duration, Instant};
 
@@ -32,12 +33,23 @@ fn shown(req_id: &str) -> String {
     s
 }
 
+/// An error's text as logged: bounded and on one line (a store's error names its key, made of the client's id).
+fn bounded(message: &str) -> String {
+    const SHOWN: usize = 600;
+    let one_line = |c: char| if c.is_control() { c.escape_debug().collect() } else { c.to_string() };
+    let mut s: String = message.chars().take(SHOWN).map(one_line).collect();
+    if message.chars().nth(SHOWN).is_some() {
+        s.push('…');
+    }
+    s
+}
+
 impl FailedRequests {
     pub fn record(&mut self, req_id: &str, e: &CoreError) {
         self.total += 1;
         self.unreported += 1;
         if self.first.is_none() {
-            self.first = Some((shown(req_id), e.message.clone()));
+            self.first = Some((shown(req_id), bounded(&e.message)));
         }
     }
 
@@ -94,8 +106,8 @@ mod tests {
     fn a_hostile_request_id_is_shown_bounded_and_escaped() {
         let mut f = FailedRequests::default();
         let id = format!("x\n{}", "y".repeat(10_000));
-        f.record(&id, &core_err!(Output, "e"));
+        f.record(&id, &core_err!(Output, "put of k{id} failed"));
         let note = f.take_note(Instant::now(), false).unwrap();
-        assert!(note.len() < 400 && !note.contains('\n') && note.contains("x\\ny"), "{note}");
+        assert!(note.len() < 1200 && !note.contains('\n') && note.contains("x\\ny"), "{note}");
     }
 }

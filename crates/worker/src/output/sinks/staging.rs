@@ -162,11 +162,11 @@ impl Locks {
     /// Creates and locks request `req_id`'s lock file (before its response can exist); `rows` once its sample is
     /// complete (a request that captures its generated tokens is held from its start, rows unknown).
     pub fn hold(&self, req_id: &str, rows: Option<usize>) -> CoreResult<()> {
-        if let Some(rows) = rows {
-            self.fresh_rows.fetch_add(rows, Ordering::Relaxed);
-        }
+        // Rows count once their lock is held: a sample whose lock failed waits for no file.
+        let fresh = |rows: Option<usize>| rows.map(|r| self.fresh_rows.fetch_add(r, Ordering::Relaxed));
         if let Some(h) = self.lock().get_mut(req_id) {
             h.rows = h.rows.or(rows); // held already: not locked twice (which would wait for itself)
+            fresh(rows);
             return Ok(());
         }
         let path = lock_path(&self.root.join(file_name(req_id)));
@@ -181,6 +181,7 @@ impl Locks {
         };
         locked.map_err(|e| core_err!(Output, "cannot lock {}: {e}", path.display()).caused_by(&e))?;
         self.lock().insert(req_id.to_string(), Held { _file: file, rows });
+        fresh(rows);
         Ok(())
     }
 
@@ -190,16 +191,15 @@ impl Locks {
 
     /// [`Locks::hold`] for a server, where a lock that cannot be taken (a full disk, the directory removed) fails
     /// only its request: its sample is never written ([`Locks::take_unheld`]), so its client, finding neither lock
-    /// nor file, meets an error rather than a file no lock guarded. A later hold that succeeds (a request that
-    /// captures its generated tokens is held again when it completes) lifts that.
+    /// nor file, meets an error rather than a file no lock guarded. It stays failed: a request that captures its
+    /// generated tokens is held again when it completes, after its response, whose client may have found nothing
+    /// already; a file written then would be nobody's.
     pub fn hold_or_fail(&self, req_id: &str, rows: Option<usize>) {
-        match self.hold(req_id, rows) {
-            Ok(()) => {
-                self.unheld().remove(req_id);
-            }
-            Err(e) => {
-                self.unheld().insert(req_id.to_string(), e);
-            }
+        if self.unheld().contains_key(req_id) {
+            return;
+        }
+        if let Err(e) = self.hold(req_id, rows) {
+            self.unheld().insert(req_id.to_string(), e);
         }
     }
 

@@ -249,4 +249,4 @@ impl Drop for Writer {
 
 #[cfg(test)]
 #[path = "tests/writer.rs"]
-mod tests;
+pub(crate) mod tests;

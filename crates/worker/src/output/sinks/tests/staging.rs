@@ -128,16 +128,7 @@ fn a_backlog_that_does_not_drain_is_reported_after_the_deadline_not_waited_on_fo
 fn staging_sink(root: &Path) -> (std::sync::Arc<Locks>, crate::output::sinks::sink::FileSink) {
     use crate::output::sinks::sink::{FileSink, Layout};
     let locks = std::sync::Arc::new(Locks::new(root, SlowDisk::default()));
-    let identity = crate::output::ledger::record::Identity {
-        format: "hscapture".into(),
-        model: "m".into(),
-        layer_ids: vec![1, 2],
-        convention: "after".into(),
-        dtype: "float32".into(),
-        hidden_size: 4,
-        num_hidden_layers: 4,
-        layer_output: "sum".into(),
-    };
+    let identity = crate::output::sinks::writer::tests::identity();
     let format = crate::output::formats::by_name("hscapture", None).unwrap();
     let layout = Layout::Staging(std::sync::Arc::clone(&locks));
     let sink = FileSink::with_layout(root, format, identity, crate::output::atomic::Durability::Rename, layout).unwrap();

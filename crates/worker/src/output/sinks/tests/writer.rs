@@ -22,7 +22,8 @@ fn sample(i: u64) -> Sample {
     }
 }
 
-fn identity() -> Identity {
+/// A small capture's identity (also the staging tests').
+pub(crate) fn identity() -> Identity {
     Identity {
         format: "hscapture".into(),
         model: "m".into(),

@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-import time
-
+from hscapture.capture import worker_capture
 from hscapture.capture.step_times import SLOW_NS, StepTimes
 from hscapture.capture.worker_capture import run_step
 
@@ -30,18 +29,29 @@ def test_a_part_over_the_threshold_counts_as_a_slow_step_of_that_part_only():
     assert st["host_ns_steps"] == 2 and st["host_slow_hooks"] == [1, 3 * SLOW_NS] and st["host_slow_begin"] == [0, 0]
 
 
-class _Capture:
-    """What run_step drives: begin, end, abandon, and the times."""
+class _Clock:
+    """``run_step``'s clock, advanced only by the fake capture: the parts' times are exact, whatever else this
+    machine runs (a real sleep on a loaded CI core once made a zero-length ``begin`` take 4 ms)."""
 
-    def __init__(self, begin_s: float, end_s: float) -> None:
-        self.times, self.begin_s, self.end_s = StepTimes(), begin_s, end_s
+    def __init__(self) -> None:
+        self.now = 0
+
+    def perf_counter_ns(self) -> int:
+        return self.now
+
+
+class _Capture:
+    """What run_step drives: begin, end, abandon, and the times; each takes the clock's nanoseconds it is given."""
+
+    def __init__(self, clock: _Clock, begin_ns: int, end_ns: int) -> None:
+        self.times, self.clock, self.begin_ns, self.end_ns = StepTimes(), clock, begin_ns, end_ns
         self.host_ns = self.times.ns
 
     def begin(self, _so) -> None:
-        time.sleep(self.begin_s)
+        self.clock.now += self.begin_ns
 
     def end(self) -> None:
-        time.sleep(self.end_s)
+        self.clock.now += self.end_ns
 
     def abandon(self, _e) -> None:
         raise AssertionError("the step did not fail")
@@ -52,17 +62,28 @@ class _Worker:
         self._hscapture = cap
 
 
-def test_run_step_times_each_part_and_counts_the_slow_ones():
-    cap = _Capture(begin_s=0.0, end_s=0.003)
+def test_run_step_times_each_part_and_counts_the_slow_ones(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(worker_capture, "time", clock)
+    cap = _Capture(clock, begin_ns=SLOW_NS // 2, end_ns=3 * SLOW_NS)
 
     def forward(_so):  # the hooks' time adds up inside the forward, as WorkerCapture's hooks add theirs
         cap.host_ns["hooks"] += 2 * SLOW_NS
+        clock.now += 7 * SLOW_NS  # the forward's own time is no part of the capture's
         return "out"
 
     assert run_step(_Worker(cap), forward, object()) == "out"
     assert run_step(_Worker(cap), lambda _so: "out", object()) == "out"
-    assert cap.times.ns["steps"] == 2
-    assert cap.times.slow["hooks"] == [1, 2 * SLOW_NS]  # the second step's forward ran no hook
-    assert cap.times.slow["end"][0] == 2 and cap.times.slow["end"][1] >= 2 * 3_000_000
-    assert cap.times.slow["begin"] == [0, 0]
-    assert cap.times.ns["end"] >= 6_000_000
+    assert cap.times.ns == {
+        "steps": 2,
+        "begin": SLOW_NS,
+        "before_forward": 0,
+        "hooks": 2 * SLOW_NS,
+        "end": 6 * SLOW_NS,
+    }
+    assert cap.times.slow == {
+        "begin": [0, 0],
+        "before_forward": [0, 0],
+        "hooks": [1, 2 * SLOW_NS],  # the second step's forward ran no hook
+        "end": [2, 6 * SLOW_NS],
+    }

@@ -9,6 +9,7 @@ import torch
 
 from hscapture import (
     AttributionError,
+    CompatibilityError,
     ConfigError,
     NonFiniteError,
     OutputError,
@@ -181,6 +182,27 @@ def test_real_vllm_scheduler_output_shape():
     assert step.new_requests == [_native.NewRequest("r0", [5, 6, 7], 0, sample=4, max_tokens=1)]
     assert (step.cached_requests, step.scheduled, step.total_tokens) == ([], [("r0", 3)], 3)
     assert (step.finished, step.preempted, step.with_outputs, step.outputs) == ([], [], [], [])
+
+
+def test_step_of_passes_vllms_columns_and_pairs_them_in_the_core():
+    """Cached requests cross as vLLM's columns (ids, computed tokens, resumed ids or the older flags); the core pairs
+    them, keeps the scheduler's order of scheduled tokens, and refuses columns of different lengths."""
+    from types import SimpleNamespace
+
+    so = sched(cached=[("b", 7), ("a", 5)], n={"b": 1, "a": 2}, resumed=["a"])
+    step = step_of(so)
+    assert step.cached_requests == [("b", 7, False), ("a", 5, True)]
+    assert step.scheduled == [("b", 1), ("a", 2)]
+    older = sched(cached=[("b", 7), ("a", 5)], n={"b": 1, "a": 2})
+    older.scheduled_cached_reqs = SimpleNamespace(
+        req_ids=["b", "a"], num_computed_tokens=[7, 5], resumed_from_preemption=[True, False]
+    )
+    assert step_of(older).cached_requests == [("b", 7, True), ("a", 5, False)]
+    with pytest.raises(CompatibilityError, match="2 ids but 1 computed-token counts"):
+        _native.Step(cached_ids=["b", "a"], cached_computed=[7])
+    with pytest.raises(CompatibilityError, match="scheduled tokens"):
+        _native.Step(scheduled={"a": -1})
+    assert _native.Step(scheduled=[("a", 2)]).scheduled == [("a", 2)]
 
 
 def test_worker_errors_cross_to_the_driver_typed(tmp_path):

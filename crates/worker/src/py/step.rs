@@ -1,10 +1,26 @@
 //! `Step` and `NewRequest`: one step's scheduler output as the core needs it ([`StepInput`]), with named fields.
 //! `vllm_compat.step_of` builds one from vLLM's objects; `CaptureSession.begin_step` takes it.
 
+use std::collections::HashSet;
+
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use super::errors::guard;
 use crate::attribution::plan::{CachedRequest, NewRequest, StepInput};
+use crate::{ensure, CoreResult};
+
+/// `(request id, tokens)` pairs from the scheduler's dict (its order kept) or from a sequence of pairs.
+fn scheduled_pairs(scheduled: Option<&Bound<'_, PyAny>>) -> CoreResult<Vec<(String, usize)>> {
+    let Some(obj) = scheduled else {
+        return Ok(Vec::new());
+    };
+    let bad = |e: PyErr| crate::core_err!(Compatibility, "the scheduler output's scheduled tokens: {e}; expected request id -> count");
+    match obj.cast::<PyDict>() {
+        Ok(d) => d.iter().map(|(k, v)| Ok((k.extract::<String>().map_err(bad)?, v.extract::<usize>().map_err(bad)?))).collect(),
+        Err(_) => obj.extract::<Vec<(String, usize)>>().map_err(bad),
+    }
+}
 
 /// A request the step schedules for the first time.
 #[pyclass(name = "NewRequest", module = "hscapture._native", frozen, eq)]
@@ -88,38 +104,63 @@ impl Step {
 
 #[pymethods]
 impl Step {
-    /// `cached_requests`: `(request id, computed tokens, resumed after a preemption)`; `scheduled`: `(request id,
-    /// tokens this step)` in the scheduler's order; `with_outputs`: new requests that capture their generated
-    /// tokens too; `outputs`: `(request id, token ids)` of such requests finished now (every token that went
-    /// through a forward).
+    /// `cached_requests`: `(request id, computed tokens, resumed after a preemption)`, or the same as the columns
+    /// vLLM keeps them in (`cached_ids`, `cached_computed`, and `resumed`: the ids resumed after a preemption), which
+    /// the worker passes as they are, every step; `scheduled`: `(request id, tokens this step)` in the scheduler's
+    /// order, or the scheduler's own dict of them; `with_outputs`: new requests that capture their generated tokens
+    /// too; `outputs`: `(request id, token ids)` of such requests finished now (every token that went through a
+    /// forward).
     #[new]
-    #[pyo3(signature = (*, new_requests=Vec::new(), cached_requests=Vec::new(), scheduled=Vec::new(), total_tokens=0, finished=Vec::new(), preempted=Vec::new(), with_outputs=Vec::new(), outputs=Vec::new()))]
+    #[pyo3(signature = (*, new_requests=Vec::new(), cached_requests=Vec::new(), cached_ids=Vec::new(), cached_computed=Vec::new(), resumed=HashSet::new(), scheduled=None, total_tokens=0, finished=Vec::new(), preempted=Vec::new(), with_outputs=Vec::new(), outputs=Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         new_requests: Vec<PyRef<'_, PyNewRequest>>,
         cached_requests: Vec<(String, usize, bool)>,
-        scheduled: Vec<(String, usize)>,
+        cached_ids: Vec<String>,
+        cached_computed: Vec<usize>,
+        resumed: HashSet<String>,
+        scheduled: Option<&Bound<'_, PyAny>>,
         total_tokens: usize,
         finished: Vec<String>,
         preempted: Vec<String>,
         with_outputs: Vec<String>,
         outputs: Vec<(String, Vec<i64>)>,
-    ) -> Self {
-        let input = StepInput {
-            new_requests: new_requests.iter().map(|r| r.0.clone()).collect(),
-            cached_requests: cached_requests
+    ) -> PyResult<Self> {
+        let build = || -> CoreResult<Step> {
+            ensure!(
+                cached_ids.len() == cached_computed.len(),
+                Compatibility,
+                "the scheduler output's cached requests: {} ids but {} computed-token counts; expected one count per id",
+                cached_ids.len(),
+                cached_computed.len()
+            );
+            ensure!(
+                cached_requests.is_empty() || cached_ids.is_empty(),
+                Compatibility,
+                "a Step given cached requests both as tuples and as columns; expected one or the other"
+            );
+            let mut cached: Vec<CachedRequest> = cached_requests
                 .into_iter()
                 .map(|(req_id, num_computed_tokens, resumed)| CachedRequest { req_id, num_computed_tokens, resumed })
-                .collect(),
-            num_scheduled: scheduled,
-            total_tokens,
-            finished,
-            preempted,
-            with_outputs,
-            outputs,
-            refused: Vec::new(), // decided by the worker session (its bound on a growing sample)
+                .collect();
+            cached.extend(cached_ids.into_iter().zip(cached_computed).map(|(req_id, num_computed_tokens)| {
+                let resumed = resumed.contains(&req_id);
+                CachedRequest { req_id, num_computed_tokens, resumed }
+            }));
+            let input = StepInput {
+                new_requests: new_requests.iter().map(|r| r.0.clone()).collect(),
+                cached_requests: cached,
+                num_scheduled: scheduled_pairs(scheduled)?,
+                total_tokens,
+                finished,
+                preempted,
+                with_outputs,
+                outputs,
+                refused: Vec::new(), // decided by the worker session (its bound on a growing sample)
+            };
+            Ok(Step { input: Some(input) })
         };
-        Step { input: Some(input) }
+        guard("Step", || Ok(build()?))
     }
 
     #[getter]

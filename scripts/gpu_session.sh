@@ -67,7 +67,8 @@ case "$what" in
     parts=${2:-tests,bench}
     pip install -q --no-index --no-deps --target /tmp/site .gpu/stage/whl/*.whl
     export HSCAPTURE_SPECULATORS_ROOT=$PWD/.gpu/stage/spec
-    export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn HF_HUB_OFFLINE=1
+    # SITE_FIRST: a folder whose packages win over the staged ones (another hscapture wheel, to compare two builds)
+    export PYTHONPATH=${SITE_FIRST:+$SITE_FIRST:}/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn HF_HUB_OFFLINE=1
     export PYTHONUNBUFFERED=1  # a log cut by the call's limit keeps every line written before it
     out=${OUT:-/tmp/out}
     mkdir -p "$out"

@@ -293,7 +293,9 @@ impl Session {
             let Some(dev) = self.device.as_mut() else {
                 bail!(Compatibility, "step {} was armed on the device but the device path is gone", plan.step);
             };
+            let t = std::time::Instant::now();
             dev.end(plan, events, arm)?;
+            self.accounting.stats.device_end_ns += device_side::ns_since(t);
             // Overlap: the step before is accounted now, while this one is queued on the device behind
             // it (so that at the end of a run only the last step is left to assemble).
             let keep = dev.keep();

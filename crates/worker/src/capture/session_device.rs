@@ -3,6 +3,10 @@
 
 use super::*;
 
+pub(super) fn ns_since(t: std::time::Instant) -> u64 {
+    u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
 /// What failed, in the capture's [`Failure`], when a device step cannot be collected.
 const DEVICE_STEP: &str = "an earlier device step could not be collected";
 
@@ -58,7 +62,8 @@ impl Session {
         };
         let t = std::time::Instant::now();
         let (p, buf) = dev.collect_oldest()?;
-        self.accounting.stats.wait_copies_ns += u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.accounting.stats.wait_copies_ns += ns_since(t);
+        let t = std::time::Instant::now();
         let present = self.protocol.slots().present();
         let layers = &self.protocol.config().layers;
         let stamped = buf.stamps().and_then(|st| verify_stamps(&p.plan, p.arm, &st, &self.points, &present, |s| slot_name(layers, s)));
@@ -72,7 +77,10 @@ impl Session {
                 return Err(e);
             }
         };
+        self.accounting.stats.account_ns += ns_since(t);
+        let t = std::time::Instant::now();
         out.completed = self.scatter(job, Some(buf))?;
+        self.accounting.stats.scatter_ns += ns_since(t);
         for r in &p.drops {
             self.drop_request(r)?;
         }

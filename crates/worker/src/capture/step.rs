@@ -53,4 +53,10 @@ pub struct SessionStats {
     /// a device step's copies.
     pub wait_ring_ns: u64,
     pub wait_copies_ns: u64,
+    /// Nanoseconds the worker's thread spent, at a device step's end, enqueueing its copies (`device_end_ns`), and
+    /// for each device step collected, checking its stamps and attributing its rows (`account_ns`) and handing them
+    /// to the assembler (`scatter_ns`): the parts of `end_step`.
+    pub device_end_ns: u64,
+    pub account_ns: u64,
+    pub scatter_ns: u64,
 }

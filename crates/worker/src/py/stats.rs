@@ -30,6 +30,10 @@ pub fn stats<'py>(py: Python<'py>, w: &WorkerSession) -> PyResult<Bound<'py, PyD
         ("ns_wait_backlog", t.backlog),
         ("ns_wait_ring", st.wait_ring_ns),
         ("ns_wait_copies", st.wait_copies_ns),
+        ("ns_device_end", st.device_end_ns),
+        ("ns_account", st.account_ns),
+        ("ns_scatter", st.scatter_ns),
+        ("ns_route", t.route),
     ] {
         d.set_item(k, v)?;
     }

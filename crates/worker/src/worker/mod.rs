@@ -363,7 +363,9 @@ impl WorkerSession {
         let outs = self.session.end_step()?;
         // The samples this step completed (their locks were taken just now) wait for it if it stays in flight.
         self.in_flight_rows = self.locks.as_ref().map_or(0, |l| l.take_completed_rows());
+        let routed = std::time::Instant::now();
         let r = self.route(outs, false);
+        self.times.route += elapsed_ns(routed);
         self.times.end_step += elapsed_ns(t);
         r
     }

@@ -11,6 +11,8 @@ pub struct CallTimes {
     pub end_step: u64,
     pub release: u64,
     pub backlog: u64,
+    /// The part of `end_step` spent handing the accounted steps' samples on (the gate, the writer).
+    pub route: u64,
 }
 
 pub(super) fn elapsed_ns(t: std::time::Instant) -> u64 {

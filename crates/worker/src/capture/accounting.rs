@@ -42,10 +42,11 @@ impl Accounting {
     fn check_finite(&mut self, cfg: &SessionConfig, plan: &StepPlan, rows: &dyn StepRows, present: &[bool]) -> CoreResult<()> {
         for slot in (0..cfg.layers.num_slots()).filter(|&s| present[s]) {
             for seg in &plan.segments {
-                let counts: Vec<u32> = (0..seg.len).map(|k| rows.nonfinite(slot, seg.arena_row + k)).collect();
-                let bad: u64 = counts.iter().map(|&c| u64::from(c)).sum();
+                // Every row of every step is checked: nothing is allocated unless a value is bad.
+                let count = |k: usize| rows.nonfinite(slot, seg.arena_row + k);
+                let bad: u64 = (0..seg.len).map(|k| u64::from(count(k))).sum();
                 if bad > 0 {
-                    let first = counts.iter().position(|&c| c > 0).unwrap_or(0);
+                    let first = (0..seg.len).position(|k| count(k) > 0).unwrap_or(0);
                     let msg = format!(
                         "{} (request {:?}), {}: {bad} NaN/Inf values in prompt positions {}..{} (first at position {}), \
                          shape [{}, {}] {}",
@@ -83,7 +84,7 @@ impl Accounting {
     pub fn account(
         &mut self,
         cfg: &SessionConfig,
-        plan: &StepPlan,
+        plan: StepPlan,
         events: Vec<Event>,
         rows: &dyn StepRows,
         present: &[bool],
@@ -97,13 +98,18 @@ impl Accounting {
             plan.step,
             (0..slots).filter(|&s| present[s]).collect::<Vec<_>>()
         );
-        self.check_finite(cfg, plan, rows, present)?;
+        self.check_finite(cfg, &plan, rows, present)?;
         let checksum = step_checksum(rows, own, plan.arena_rows);
         let out = StepOutcome { step: plan.step, checksum, rows: plan.arena_rows, ..Default::default() };
         let mut job = ScatterJob { step: plan.step, ..Default::default() };
         if cfg.assemble {
-            job.segments = plan.segments.clone();
-            self.growing.extend(plan.segments.iter().filter(|s| s.grows).map(|s| s.req_id.clone()));
+            // A growing request is in every decode step: its id is copied once, when it first grows.
+            for s in plan.segments.iter().filter(|s| s.grows) {
+                if !self.growing.contains(&s.req_id) {
+                    self.growing.insert(s.req_id.clone());
+                }
+            }
+            job.segments = plan.segments;
         }
         for e in events {
             if let Event::Completed { req_id, sample, token_ids, loss_mask } = e {

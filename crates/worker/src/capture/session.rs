@@ -305,7 +305,7 @@ impl Session {
         let mut outs = self.collect_device_steps(0)?;
         let slots = self.protocol.slots();
         let (present, own) = (slots.present(), slots.own());
-        let (mut out, job) = self.accounting.account(self.protocol.config(), &plan, events, self.buffers.arena(), &present, &own)?;
+        let (mut out, job) = self.accounting.account(self.protocol.config(), plan, events, self.buffers.arena(), &present, &own)?;
         out.completed = self.scatter(job, None)?;
         out.aborted = std::mem::take(&mut self.aborted);
         outs.push(out);

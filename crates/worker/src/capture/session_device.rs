@@ -68,7 +68,7 @@ impl Session {
         let layers = &self.protocol.config().layers;
         let stamped = buf.stamps().and_then(|st| verify_stamps(&p.plan, p.arm, &st, &self.points, &present, |s| slot_name(layers, s)));
         let accounted = stamped.and_then(|()| {
-            buf.rows().and_then(|rows| self.accounting.account(self.protocol.config(), &p.plan, p.events, &*rows, &present, &present))
+            buf.rows().and_then(|rows| self.accounting.account(self.protocol.config(), p.plan, p.events, &*rows, &present, &present))
         });
         let (mut out, job) = match accounted {
             Ok(x) => x,

@@ -22,6 +22,7 @@
 //! all of its tokens but the last, which no forward computed). Rows computed beyond those (a step scheduled
 //! before the finish was known) are not part of the sample.
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 
 use crate::sample::SampleKey;
@@ -194,7 +195,7 @@ impl Tracker {
         for r in &input.cached_requests {
             starts.insert(&r.req_id, r.num_computed_tokens);
         }
-        let sched = self.schedule(&input.num_scheduled, &starts, input.total_tokens)?;
+        let sched = self.schedule(input.num_scheduled, &starts, input.total_tokens)?;
         self.pending = Some(Pending { sched, total_tokens: input.total_tokens, plan: None });
         Ok(events)
     }
@@ -307,10 +308,11 @@ impl Tracker {
         Ok(starts)
     }
 
-    /// Each scheduled request's (start, tokens, rows to capture); the counts must add up to the step's total.
+    /// Each scheduled request's (start, tokens, rows to capture); the counts must add up to the step's total. The
+    /// ids move into the step's map: no copy of each request's id every step.
     fn schedule(
         &mut self,
-        num_scheduled: &[(String, usize)],
+        num_scheduled: Vec<(String, usize)>,
         starts: &HashMap<&str, usize>,
         total_tokens: usize,
     ) -> CoreResult<HashMap<String, (usize, usize, usize)>> {
@@ -319,7 +321,7 @@ impl Tracker {
         let mut sum = 0usize;
         for (id, n) in num_scheduled {
             sum = sum
-                .checked_add(*n)
+                .checked_add(n)
                 .ok_or_else(|| core_err!(Attribution, "step {step}: the scheduled token counts overflow (request {id:?}: {n})"))?;
             let Some(&start) = starts.get(id.as_str()) else {
                 bail!(
@@ -328,15 +330,18 @@ impl Tracker {
                      of the step, so its position is unknown"
                 );
             };
-            let Some(t) = self.reqs.get_mut(id) else {
+            let Some(t) = self.reqs.get_mut(&id) else {
                 bail!(
                     Attribution,
                     "step {step}: request {id:?} is scheduled but its prompt was never announced to hscapture (was the \
                      capture set up after the request started?)"
                 );
             };
-            let cap = rows_to_capture(step, id, t, start, *n)?;
-            ensure!(sched.insert(id.clone(), (start, *n, cap)).is_none(), Attribution, "step {step}: request {id:?} is scheduled twice");
+            let cap = rows_to_capture(step, &id, t, start, n)?;
+            match sched.entry(id) {
+                Entry::Occupied(e) => bail!(Attribution, "step {step}: request {:?} is scheduled twice", e.key()),
+                Entry::Vacant(v) => v.insert((start, n, cap)),
+            };
         }
         ensure!(
             sum == total_tokens,

@@ -114,6 +114,14 @@ fn skipped_prompt_tokens_are_refused() {
 }
 
 #[test]
+fn a_request_scheduled_twice_is_refused_by_name() {
+    let mut t = Tracker::new();
+    let e = t.begin_step(step(vec![new("a", 4, 0, Some(0))], vec![], &[("a", 2), ("a", 2)])).unwrap_err();
+    assert_eq!(e.kind, crate::error::ErrorKind::Attribution);
+    assert!(e.message.contains("request \"a\" is scheduled twice"), "{e}");
+}
+
+#[test]
 fn abort_mid_prefill_drops_the_request() {
     let mut t = Tracker::new();
     t.begin_step(step(vec![new("a", 10, 0, Some(7))], vec![], &[("a", 4)])).unwrap();

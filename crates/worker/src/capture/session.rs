@@ -24,6 +24,7 @@ pub use crate::capture::protocol::CompletionHook;
 use crate::capture::protocol::StepProtocol;
 use crate::capture::scatter::{Geometry, RefusalHook, ScatterJob};
 use crate::capture::stamps::verify as verify_stamps;
+use crate::capture::step::elapsed_ns;
 pub use crate::capture::step::{Aborted, SessionConfig, SessionStats, StepOutcome};
 use crate::capture::step_buffers::StepBuffers;
 use crate::capture::tensor::{Device, TensorDesc};
@@ -295,7 +296,7 @@ impl Session {
             };
             let t = std::time::Instant::now();
             dev.end(plan, events, arm)?;
-            self.accounting.stats.device_end_ns += device_side::ns_since(t);
+            self.accounting.stats.device_end_ns += elapsed_ns(t);
             // Overlap: the step before is accounted now, while this one is queued on the device behind
             // it (so that at the end of a run only the last step is left to assemble).
             let keep = dev.keep();

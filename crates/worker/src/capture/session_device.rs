@@ -3,10 +3,6 @@
 
 use super::*;
 
-pub(super) fn ns_since(t: std::time::Instant) -> u64 {
-    u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX)
-}
-
 /// What failed, in the capture's [`Failure`], when a device step cannot be collected.
 const DEVICE_STEP: &str = "an earlier device step could not be collected";
 
@@ -62,7 +58,7 @@ impl Session {
         };
         let t = std::time::Instant::now();
         let (p, buf) = dev.collect_oldest()?;
-        self.accounting.stats.wait_copies_ns += ns_since(t);
+        self.accounting.stats.wait_copies_ns += elapsed_ns(t);
         let t = std::time::Instant::now();
         let present = self.protocol.slots().present();
         let layers = &self.protocol.config().layers;
@@ -77,10 +73,10 @@ impl Session {
                 return Err(e);
             }
         };
-        self.accounting.stats.account_ns += ns_since(t);
+        self.accounting.stats.account_ns += elapsed_ns(t);
         let t = std::time::Instant::now();
         out.completed = self.scatter(job, Some(buf))?;
-        self.accounting.stats.scatter_ns += ns_since(t);
+        self.accounting.stats.scatter_ns += elapsed_ns(t);
         for r in &p.drops {
             self.drop_request(r)?;
         }
@@ -109,7 +105,7 @@ impl Session {
         while self.buffers.pinned_out() > 0 && dev.free_host(rows) == 0 {
             self.buffers.reclaim(true, Some(dev))?;
         }
-        self.accounting.stats.wait_ring_ns += u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.accounting.stats.wait_ring_ns += elapsed_ns(t);
         let arm = self.arms.checked_add(1).filter(|&a| a != 0).unwrap_or(1);
         dev.arm(step, arm, rows, &runs, stream)?;
         (self.arms, self.armed) = (arm, Some(arm));

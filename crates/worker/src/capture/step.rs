@@ -38,6 +38,11 @@ pub struct StepOutcome {
     pub aborted: Vec<Aborted>,
 }
 
+/// Nanoseconds since `t`, saturated: the step protocol's timings (`SessionStats`, the worker's `CallTimes`).
+pub(crate) fn elapsed_ns(t: std::time::Instant) -> u64 {
+    u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
 /// Running totals.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SessionStats {

@@ -33,8 +33,8 @@ mod session_view;
 mod settings;
 mod times;
 
+use crate::capture::step::elapsed_ns;
 pub use settings::{defaults, identity, Destination, Files, GrowingBound, OutputSettings, STORE_FORMAT};
-use times::elapsed_ns;
 pub use times::CallTimes;
 
 /// Aborted requests kept for a driver that never takes them (see [`crate::output::sinks::writer::UNTAKEN_RECORDS`]).

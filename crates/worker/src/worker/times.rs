@@ -14,7 +14,3 @@ pub struct CallTimes {
     /// The part of `end_step` spent handing the accounted steps' samples on (the gate, the writer).
     pub route: u64,
 }
-
-pub(super) fn elapsed_ns(t: std::time::Instant) -> u64 {
-    u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX)
-}

@@ -186,7 +186,8 @@ def test_real_vllm_scheduler_output_shape():
 
 def test_step_of_passes_vllms_columns_and_pairs_them_in_the_core():
     """Cached requests cross as vLLM's columns (ids, computed tokens, resumed ids or the older flags); the core pairs
-    them, keeps the scheduler's order of scheduled tokens, and refuses columns of different lengths."""
+    them, keeps the scheduler's order of scheduled tokens, and refuses columns of different lengths or scheduled tokens
+    that are not the scheduler's dict."""
     from types import SimpleNamespace
 
     so = sched(cached=[("b", 7), ("a", 5)], n={"b": 1, "a": 2}, resumed=["a"])
@@ -202,7 +203,8 @@ def test_step_of_passes_vllms_columns_and_pairs_them_in_the_core():
         _native.Step(cached_ids=["b", "a"], cached_computed=[7])
     with pytest.raises(CompatibilityError, match="scheduled tokens"):
         _native.Step(scheduled={"a": -1})
-    assert _native.Step(scheduled=[("a", 2)]).scheduled == [("a", 2)]
+    with pytest.raises(CompatibilityError, match="scheduled tokens are a list; expected a dict"):
+        _native.Step(scheduled=[("a", 2)])
 
 
 def test_worker_errors_cross_to_the_driver_typed(tmp_path):

@@ -8,18 +8,19 @@ use pyo3::types::PyDict;
 
 use super::errors::guard;
 use crate::attribution::plan::{CachedRequest, NewRequest, StepInput};
-use crate::{ensure, CoreResult};
+use crate::{bail, ensure, CoreResult};
 
-/// `(request id, tokens)` pairs from the scheduler's dict (its order kept) or from a sequence of pairs.
+/// `(request id, tokens)` pairs from the scheduler's dict, in its order.
 fn scheduled_pairs(scheduled: Option<&Bound<'_, PyAny>>) -> CoreResult<Vec<(String, usize)>> {
     let Some(obj) = scheduled else {
         return Ok(Vec::new());
     };
+    let Ok(d) = obj.cast::<PyDict>() else {
+        let found = obj.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string());
+        bail!(Compatibility, "the scheduler output's scheduled tokens are a {found}; expected a dict of request id -> count");
+    };
     let bad = |e: PyErr| crate::core_err!(Compatibility, "the scheduler output's scheduled tokens: {e}; expected request id -> count");
-    match obj.cast::<PyDict>() {
-        Ok(d) => d.iter().map(|(k, v)| Ok((k.extract::<String>().map_err(bad)?, v.extract::<usize>().map_err(bad)?))).collect(),
-        Err(_) => obj.extract::<Vec<(String, usize)>>().map_err(bad),
-    }
+    d.iter().map(|(k, v)| Ok((k.extract::<String>().map_err(bad)?, v.extract::<usize>().map_err(bad)?))).collect()
 }
 
 /// A request the step schedules for the first time.
@@ -104,18 +105,16 @@ impl Step {
 
 #[pymethods]
 impl Step {
-    /// `cached_requests`: `(request id, computed tokens, resumed after a preemption)`, or the same as the columns
-    /// vLLM keeps them in (`cached_ids`, `cached_computed`, and `resumed`: the ids resumed after a preemption), which
-    /// the worker passes as they are, every step; `scheduled`: `(request id, tokens this step)` in the scheduler's
-    /// order, or the scheduler's own dict of them; `with_outputs`: new requests that capture their generated tokens
+    /// The cached requests as vLLM keeps them, columns passed as they are every step: `cached_ids`, `cached_computed`
+    /// (their computed tokens) and `resumed` (the ids resumed after a preemption); `scheduled`: the scheduler's dict of
+    /// tokens this step per request, in its order; `with_outputs`: new requests that capture their generated tokens
     /// too; `outputs`: `(request id, token ids)` of such requests finished now (every token that went through a
     /// forward).
     #[new]
-    #[pyo3(signature = (*, new_requests=Vec::new(), cached_requests=Vec::new(), cached_ids=Vec::new(), cached_computed=Vec::new(), resumed=HashSet::new(), scheduled=None, total_tokens=0, finished=Vec::new(), preempted=Vec::new(), with_outputs=Vec::new(), outputs=Vec::new()))]
+    #[pyo3(signature = (*, new_requests=Vec::new(), cached_ids=Vec::new(), cached_computed=Vec::new(), resumed=HashSet::new(), scheduled=None, total_tokens=0, finished=Vec::new(), preempted=Vec::new(), with_outputs=Vec::new(), outputs=Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         new_requests: Vec<PyRef<'_, PyNewRequest>>,
-        cached_requests: Vec<(String, usize, bool)>,
         cached_ids: Vec<String>,
         cached_computed: Vec<usize>,
         resumed: HashSet<String>,
@@ -134,19 +133,14 @@ impl Step {
                 cached_ids.len(),
                 cached_computed.len()
             );
-            ensure!(
-                cached_requests.is_empty() || cached_ids.is_empty(),
-                Compatibility,
-                "a Step given cached requests both as tuples and as columns; expected one or the other"
-            );
-            let mut cached: Vec<CachedRequest> = cached_requests
+            let cached = cached_ids
                 .into_iter()
-                .map(|(req_id, num_computed_tokens, resumed)| CachedRequest { req_id, num_computed_tokens, resumed })
+                .zip(cached_computed)
+                .map(|(req_id, num_computed_tokens)| {
+                    let resumed = resumed.contains(&req_id);
+                    CachedRequest { req_id, num_computed_tokens, resumed }
+                })
                 .collect();
-            cached.extend(cached_ids.into_iter().zip(cached_computed).map(|(req_id, num_computed_tokens)| {
-                let resumed = resumed.contains(&req_id);
-                CachedRequest { req_id, num_computed_tokens, resumed }
-            }));
             let input = StepInput {
                 new_requests: new_requests.iter().map(|r| r.0.clone()).collect(),
                 cached_requests: cached,

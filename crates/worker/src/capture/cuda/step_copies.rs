@@ -2,30 +2,87 @@
 //! codes and scales), checksums, counts and stamps to its pinned buffer on the copy stream (`CudaDevice::end_step`);
 //! rows copied early (`early_copies.rs`) are not copied again.
 
-use cudarc::driver::{result, CudaView, DevicePtr, DeviceRepr, HostSlice, PinnedHostSlice};
+use cudarc::driver::{sys, CudaView, DevicePtr};
 
+use super::ring::{HostBuf, Region};
 use super::*;
 
-/// Copies `src`, exactly its length, to the start of `dst` on `stream`. Not cudarc's `memcpy_dtoh`: that copies
-/// `size_of_val(dst)` bytes, a pinned buffer's whole capacity, whatever `src` holds; a decode step of 64 rows then
-/// moved every slot's `capacity` rows (measured on the H200: ~10 ms of copies a step, vLLM's sampled-token copy
-/// queued behind them, decode at 0.6× of plain). The caller has made the context current (`end_step`).
-pub(super) fn copy_to_pinned<T: DeviceRepr>(
+/// Where a step's copies go: `height` runs of `width` bytes into `host`'s block from byte `at`, `pitch` apart.
+pub(super) struct HostRuns<'a> {
+    pub host: &'a HostBuf,
+    pub at: usize,
+    pub pitch: usize,
+}
+
+impl<'a> HostRuns<'a> {
+    /// Every slot's part of `region`, from slot `first`.
+    pub fn slots(host: &'a HostBuf, region: Region, first: usize) -> HostRuns<'a> {
+        HostRuns { host, at: region.slot(first), pitch: region.pitch }
+    }
+
+    pub fn at(host: &'a HostBuf, at: usize) -> HostRuns<'a> {
+        HostRuns { host, at, pitch: 0 }
+    }
+}
+
+/// Copies `height` runs of `width` bytes from `src` (its runs `src_pitch` bytes apart, starting at its first byte) to
+/// `dst` on `stream`: one strided copy (`cuMemcpy2DAsync`) where both pitches are within the device's
+/// `max_pitch`, else a copy per run. Exactly these bytes: cudarc's `memcpy_dtoh` copies `size_of_val(dst)`, a pinned
+/// buffer's whole capacity (measured on the H200: ~10 ms of copies a decode step, vLLM's sampled-token copy queued
+/// behind them, decode at 0.6× of plain). The caller has made the context current (`end_step`).
+pub(super) fn copy_runs<T>(
     stream: &Arc<CudaStream>,
     src: &CudaView<'_, T>,
-    dst: &mut PinnedHostSlice<T>,
+    src_pitch: usize,
+    dst: &HostRuns<'_>,
+    width: usize,
+    height: usize,
+    max_pitch: usize,
 ) -> Result<(), KernelError> {
-    let (n, room) = (src.len(), HostSlice::len(dst));
-    if n > room {
-        return Err(KernelError(format!("a step's copy of {n} elements into a pinned buffer of {room}")));
+    if width == 0 || height == 0 {
+        return Ok(());
     }
-    let (from, _after_src) = src.device_ptr(stream);
-    // SAFETY: the pinned buffer is this context's page-locked allocation; cudarc orders its use on `stream` (the
-    // wait on the buffer's event here, the record when `_after_dst` drops after the enqueue); `n` elements fit it.
-    let (to, _after_dst) = unsafe { dst.stream_synced_mut_slice(stream) };
-    // SAFETY: `from` holds `n` elements of `T` on this device (a view of the arena), `to[..n]` is host memory of
-    // the same size that no host code reads until the ring's `copies_done` event for this buffer completes.
-    drv("cuMemcpyDtoHAsync", unsafe { result::memcpy_dtoh_async(&mut to[..n], from, stream.cu_stream()) })
+    let extent = |pitch: usize| (height - 1).checked_mul(pitch).and_then(|b| b.checked_add(width));
+    let (need_src, need_dst) = (extent(src_pitch), extent(dst.pitch).and_then(|b| b.checked_add(dst.at)));
+    let (block, src_bytes) = (dst.host.block(), src.len() * std::mem::size_of::<T>());
+    if height > 1 && (src_pitch < width || dst.pitch < width)
+        || need_src.is_none_or(|n| n > src_bytes)
+        || need_dst.is_none_or(|n| n > block.len())
+    {
+        return Err(KernelError(format!(
+            "a step's copy of {height} × {width} bytes (pitches {src_pitch} and {}) overruns a device view of {} bytes or \
+             a pinned block of {} from byte {}",
+            dst.pitch,
+            src_bytes,
+            block.len(),
+            dst.at
+        )));
+    }
+    let (from, _record) = src.device_ptr(stream);
+    let to = |k: usize| block.addr(dst.at + k * dst.pitch).ok_or_else(|| KernelError("a pinned block's address".into()));
+    if height > 1 && src_pitch <= max_pitch && dst.pitch <= max_pitch {
+        // SAFETY: a plain-old-data struct of integers and pointers, for which all zeros is "unset".
+        let mut p: sys::CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
+        p.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+        p.srcDevice = from;
+        p.srcPitch = src_pitch;
+        p.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_HOST;
+        p.dstHost = to(0)? as *mut std::ffi::c_void;
+        p.dstPitch = dst.pitch;
+        p.WidthInBytes = width;
+        p.Height = height;
+        // SAFETY: both extents are within their allocations (checked above: the view is of this device's arena,
+        // the block is page-locked host memory of this context) and no host code reads the block's bytes until
+        // the ring's `copies_done` for this buffer completes.
+        return drv("cuMemcpy2DAsync", unsafe { sys::cuMemcpy2DAsync_v2(&p, stream.cu_stream()) }.result());
+    }
+    for k in 0..height {
+        // SAFETY: as above, run by run.
+        let r =
+            unsafe { sys::cuMemcpyDtoHAsync_v2(to(k)? as *mut std::ffi::c_void, from + (k * src_pitch) as u64, width, stream.cu_stream()) };
+        drv("cuMemcpyDtoHAsync", r.result())?;
+    }
+    Ok(())
 }
 
 impl CudaDevice {
@@ -51,30 +108,48 @@ impl CudaDevice {
         unsafe { self.kernel.launch_fp8(&args, s) }.map_err(kerr)
     }
 
-    /// Enqueues the copies of the armed step (after `forward_done`) into the current host buffer.
+    /// Enqueues the copies of the armed step (after `forward_done`) into the current host buffer: each region's
+    /// slots in one strided copy (rows or codes, checksums, counts), the stamps and fp8 scales in one copy each.
     pub(super) fn copy_step(&mut self, a: &Armed) -> CoreResult<()> {
         let ArmedLayout { slots, capacity: cap, width: w, .. } = self.arena.layout;
-        let (n, half) = (a.rows, a.half);
+        let (n, half, max_pitch) = (a.rows, a.half, self.max_pitch);
         let (arena, copy, quantize, early) = (&self.arena, &self.copy, self.quantize, &self.early);
-        let host = self.ring.current_mut()?;
+        let host: &HostBuf = self.ring.current_mut()?;
         let view = |e: crate::CoreError| KernelError(e.message);
+        // `len` bytes from slot 0 of `half`'s part of a [half][slot][capacity] buffer, as bytes.
+        let stat = (half * slots) * cap;
+        let span = (slots - 1) * cap + n;
         guarded("enqueueing the copies to host", || {
             drv("cuStreamWaitEvent", copy.wait(&self.forward_done))?;
-            for slot in 0..slots {
-                let stat = (half * slots + slot) * cap;
-                if let Some((codes, _)) = arena.fp8.as_ref().filter(|_| quantize) {
-                    let at = stat * w;
-                    copy_to_pinned(copy, &part(codes, at..at + n * w, "fp8 codes").map_err(view)?, &mut host.data[slot])?;
-                } else if !early.policy.copied(slot) {
-                    copy_to_pinned(copy, &arena.slot_rows(half, slot, n).map_err(view)?, &mut host.data[slot])?;
+            if let Some((codes, _)) = arena.fp8.as_ref().filter(|_| quantize) {
+                let src = part(codes, stat * w..(stat + span) * w, "fp8 codes").map_err(view)?;
+                copy_runs(copy, &src, cap * w, &HostRuns::slots(host, host.data, 0), n * w, slots, max_pitch)?;
+            } else {
+                // The slots not copied early (all of them unless the step was large), in runs of neighbours.
+                let rb = arena.row_bytes();
+                let mut slot = 0;
+                while slot < slots {
+                    if early.policy.copied(slot) {
+                        slot += 1;
+                        continue;
+                    }
+                    let run = (slot..slots).take_while(|&s| !early.policy.copied(s)).count();
+                    let at = (arena.data_base(half) + slot * cap) * rb;
+                    let src = part(&arena.data, at..at + ((run - 1) * cap + n) * rb, "rows").map_err(view)?;
+                    copy_runs(copy, &src, cap * rb, &HostRuns::slots(host, host.data, slot), n * rb, run, max_pitch)?;
+                    slot += run;
                 }
-                copy_to_pinned(copy, &part(&arena.sums, stat..stat + n, "checksums").map_err(view)?, &mut host.sums[slot])?;
-                copy_to_pinned(copy, &part(&arena.bad, stat..stat + n, "non-finite counts").map_err(view)?, &mut host.bad[slot])?;
             }
+            let sums = part(&arena.sums, stat..stat + span, "checksums").map_err(view)?;
+            copy_runs(copy, &sums, cap * 8, &HostRuns::slots(host, host.sums, 0), n * 8, slots, max_pitch)?;
+            let bad = part(&arena.bad, stat..stat + span, "non-finite counts").map_err(view)?;
+            copy_runs(copy, &bad, cap * 4, &HostRuns::slots(host, host.bad, 0), n * 4, slots, max_pitch)?;
             let st = half * slots * STAMP_WORDS;
-            copy_to_pinned(copy, &part(&arena.stamps, st..st + slots * STAMP_WORDS, "stamps").map_err(view)?, &mut host.stamps)?;
-            if let (Some((_, scales)), Some(dst)) = (arena.fp8.as_ref(), host.scales.as_mut()) {
-                copy_to_pinned(copy, &part(scales, half * cap..half * cap + n, "fp8 scales").map_err(view)?, dst)?;
+            let stamps = part(&arena.stamps, st..st + slots * STAMP_WORDS, "stamps").map_err(view)?;
+            copy_runs(copy, &stamps, 0, &HostRuns::at(host, host.stamps_at), slots * STAMP_WORDS * 4, 1, max_pitch)?;
+            if let (Some((_, scales)), Some(at)) = (arena.fp8.as_ref(), host.scales_at) {
+                let src = part(scales, half * cap..half * cap + n, "fp8 scales").map_err(view)?;
+                copy_runs(copy, &src, 0, &HostRuns::at(host, at), n * 4, 1, max_pitch)?;
             }
             drv("cuEventRecord", self.half_free[half].record(copy))
         })

@@ -22,8 +22,8 @@
 //! all of its tokens but the last, which no forward computed). Rows computed beyond those (a step scheduled
 //! before the finish was known) are not part of the sample.
 
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use std::collections::hash_map::Entry;
-use std::collections::{HashMap, HashSet};
 
 use crate::sample::SampleKey;
 use crate::{bail, core_err, ensure, error::CoreResult};

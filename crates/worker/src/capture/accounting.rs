@@ -5,7 +5,7 @@
 //! the per-row counts and checksums, so it stays on the worker's thread and its errors surface at the
 //! step that found them.
 
-use std::collections::{HashMap, HashSet};
+use foldhash::{HashMap, HashSet};
 
 use crate::attribution::plan::{Event, StepPlan};
 use crate::capture::contract::slot_name;

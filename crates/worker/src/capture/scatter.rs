@@ -6,7 +6,7 @@
 //! Invariants: a request's buffer is written only by the job of the step that scheduled its rows, in
 //! step order; a buffer leaves this struct exactly once (a sample, a discard, or a drop).
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 

@@ -1,7 +1,7 @@
 //! `Step` and `NewRequest`: one step's scheduler output as the core needs it ([`StepInput`]), with named fields.
 //! `vllm_compat.step_of` builds one from vLLM's objects; `CaptureSession.begin_step` takes it.
 
-use std::collections::HashSet;
+use foldhash::{HashSet, HashSetExt};
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;

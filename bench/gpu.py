@@ -228,6 +228,8 @@ def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: di
             print(f"[{name}/{mode}] their migrations between CPUs: {res['thread_migrations']}", flush=True)
         if "interrupts" in res:  # the machine's, over the rounds: TLB shootdowns, function calls, rescheduling, ticks
             print(f"[{name}/{mode}] interrupts over the rounds: {res['interrupts']}", flush=True)
+        if "cpu_seconds" in res:  # every CPU's, over the rounds: steal = the host ran something else on them
+            print(f"[{name}/{mode}] the machine's CPU seconds over the rounds: {res['cpu_seconds']}", flush=True)
         if "clock" in res:  # the engine thread's CPU clock over the rounds (bench/clock.py): a slower core?
             print(f"[{name}/{mode}] clocks over the rounds: {res['clock']}", flush=True)
         if "host_us_per_step" in res:

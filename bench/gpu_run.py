@@ -126,6 +126,20 @@ def interrupts() -> dict | None:
     return out
 
 
+def cpu_times() -> dict | None:
+    """The machine's CPU time so far, summed over CPUs, in seconds (/proc/stat): `steal` is time this virtual
+    machine's CPUs were ready but the host ran something else, which slows every thread of the guest alike (and, where
+    the guest does not account for it, shows as their CPU time)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        hz = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    return {k: int(v) / hz for k, v in zip(names, fields[1:], strict=False)}
+
+
 def engine_thread(worker) -> tuple[int, int]:
     """The worker's process and the thread this call runs on: the engine's (at TP 1 the engine core's busy loop
     runs the worker and its calls)."""
@@ -340,7 +354,7 @@ if __name__ == "__main__":
         base_stats = [r for r in llm.collective_rpc("hscapture_stats") if r][0]
     mem0 = allocator_counts(llm)
     cpu0 = threads_used(llm, None)
-    irq0 = interrupts()
+    irq0, times0 = interrupts(), cpu_times()
     clock = clock_sampler(llm)
     per, drains, parts = [], [], []
     for _ in range(rounds):
@@ -357,7 +371,7 @@ if __name__ == "__main__":
         clear()
     mem1 = allocator_counts(llm)
     cpu1 = threads_used(llm, cpu0) if cpu0 is not None else None
-    irq1 = interrupts()
+    irq1, times1 = interrupts(), cpu_times()
     if clock is not None:
         clock.stop()
     if os.environ.get("HSBENCH_TORCH_PROFILE"):  # after the timed rounds: its overhead changes no figure above
@@ -384,6 +398,10 @@ if __name__ == "__main__":
         info["thread_switches"] = {k: v[1:3] for k, v in list(cpu1.items())[:4]}
         info["thread_minflt"] = {k: v[3] for k, v in list(cpu1.items())[:4]}
         info["thread_migrations"] = {k: v[4] for k, v in list(cpu1.items())[:4]}
+    if times0 and times1:  # the whole machine's, over the timed rounds
+        info["cpu_seconds"] = {
+            k: round(times1[k] - times0[k], 2) for k in ("user", "system", "steal", "irq") if k in times1
+        }
     if irq0 and irq1:  # the whole machine's, over the timed rounds
         info["interrupts"] = {k: irq1[k] - irq0.get(k, 0) for k in irq1}
     if clock is not None and clock.summary():

@@ -25,6 +25,41 @@ impl<'a> HostRuns<'a> {
     }
 }
 
+/// A step's copy of `height` runs of `width` bytes, `src_pitch` apart in the source and `dst_pitch` apart in the
+/// destination block from `dst_at`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Runs {
+    pub width: usize,
+    pub height: usize,
+    pub src_pitch: usize,
+    pub dst_at: usize,
+    pub dst_pitch: usize,
+}
+
+impl Runs {
+    /// Whether the copy fits a source of `src_bytes` and a block of `block_bytes`: None when there is nothing to
+    /// copy, else whether it goes as one strided copy (more than one run, both pitches within `max_pitch`) or run
+    /// by run; an error naming the sizes when it overruns either (a bug in the caller's arithmetic).
+    pub fn plan(&self, src_bytes: usize, block_bytes: usize, max_pitch: usize) -> Result<Option<bool>, KernelError> {
+        let Runs { width, height, src_pitch, dst_at, dst_pitch } = *self;
+        if width == 0 || height == 0 {
+            return Ok(None);
+        }
+        let extent = |pitch: usize| (height - 1).checked_mul(pitch).and_then(|b| b.checked_add(width));
+        let (need_src, need_dst) = (extent(src_pitch), extent(dst_pitch).and_then(|b| b.checked_add(dst_at)));
+        if height > 1 && (src_pitch < width || dst_pitch < width)
+            || need_src.is_none_or(|n| n > src_bytes)
+            || need_dst.is_none_or(|n| n > block_bytes)
+        {
+            return Err(KernelError(format!(
+                "a step's copy of {height} × {width} bytes (pitches {src_pitch} and {dst_pitch}) overruns a device view \
+                 of {src_bytes} bytes or a pinned block of {block_bytes} from byte {dst_at}"
+            )));
+        }
+        Ok(Some(height > 1 && src_pitch <= max_pitch && dst_pitch <= max_pitch))
+    }
+}
+
 /// Copies `height` runs of `width` bytes from `src` (its runs `src_pitch` bytes apart, starting at its first byte) to
 /// `dst` on `stream`: one strided copy (`cuMemcpy2DAsync`) where both pitches are within the device's
 /// `max_pitch`, else a copy per run. Exactly these bytes: cudarc's `memcpy_dtoh` copies `size_of_val(dst)`, a pinned
@@ -39,28 +74,14 @@ pub(super) fn copy_runs<T>(
     height: usize,
     max_pitch: usize,
 ) -> Result<(), KernelError> {
-    if width == 0 || height == 0 {
-        return Ok(());
-    }
-    let extent = |pitch: usize| (height - 1).checked_mul(pitch).and_then(|b| b.checked_add(width));
-    let (need_src, need_dst) = (extent(src_pitch), extent(dst.pitch).and_then(|b| b.checked_add(dst.at)));
     let (block, src_bytes) = (dst.host.block(), src.len() * std::mem::size_of::<T>());
-    if height > 1 && (src_pitch < width || dst.pitch < width)
-        || need_src.is_none_or(|n| n > src_bytes)
-        || need_dst.is_none_or(|n| n > block.len())
-    {
-        return Err(KernelError(format!(
-            "a step's copy of {height} × {width} bytes (pitches {src_pitch} and {}) overruns a device view of {} bytes or \
-             a pinned block of {} from byte {}",
-            dst.pitch,
-            src_bytes,
-            block.len(),
-            dst.at
-        )));
-    }
+    let runs = Runs { width, height, src_pitch, dst_at: dst.at, dst_pitch: dst.pitch };
+    let Some(strided) = runs.plan(src_bytes, block.len(), max_pitch)? else {
+        return Ok(());
+    };
     let (from, _record) = src.device_ptr(stream);
     let to = |k: usize| block.addr(dst.at + k * dst.pitch).ok_or_else(|| KernelError("a pinned block's address".into()));
-    if height > 1 && src_pitch <= max_pitch && dst.pitch <= max_pitch {
+    if strided {
         // SAFETY: a plain-old-data struct of integers and pointers, for which all zeros is "unset".
         let mut p: sys::CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
         p.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
@@ -156,5 +177,31 @@ impl CudaDevice {
         .map_err(kerr)?;
         self.half_used[half] = true;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Runs;
+
+    #[test]
+    fn a_copys_runs_fit_both_sides_or_are_refused() {
+        // A decode step: 4 slots × 64 rows of 8 KiB in an arena of 16,384 rows per slot, into a 64-row buffer.
+        let (cap, rows, rb) = (16384usize, 64usize, 8192usize);
+        let runs = Runs { width: rows * rb, height: 4, src_pitch: cap * rb, dst_at: 0, dst_pitch: rows * rb };
+        let src = 3 * cap * rb + rows * rb;
+        assert_eq!(runs.plan(src, 4 * rows * rb, usize::MAX).unwrap(), Some(true), "one strided copy");
+        assert_eq!(runs.plan(src, 4 * rows * rb, cap * rb - 1).unwrap(), Some(false), "a pitch past the device's limit");
+        assert!(runs.plan(src - 1, 4 * rows * rb, usize::MAX).is_err(), "one byte past the device view");
+        assert!(runs.plan(src, 4 * rows * rb - 1, usize::MAX).is_err(), "one byte past the pinned block");
+        let shifted = Runs { dst_at: 64, ..runs };
+        assert!(shifted.plan(src, 4 * rows * rb, usize::MAX).is_err(), "the block's offset counts");
+        let narrow = Runs { dst_pitch: rows * rb - 1, ..runs };
+        assert!(narrow.plan(src, 8 * rows * rb, usize::MAX).is_err(), "runs that would overlap in the block");
+        let one = Runs { height: 1, src_pitch: 0, dst_pitch: 0, ..runs };
+        assert_eq!(one.plan(rows * rb, rows * rb, 0).unwrap(), Some(false), "a single run is a plain copy");
+        assert_eq!(Runs { width: 0, ..runs }.plan(0, 0, 0).unwrap(), None, "a step without rows copies nothing");
+        let huge = Runs { height: usize::MAX, ..runs };
+        assert!(huge.plan(usize::MAX, usize::MAX, usize::MAX).is_err(), "an overflowing extent is an error, not a wrap");
     }
 }

@@ -60,6 +60,29 @@ impl Runs {
     }
 }
 
+/// The parameters of a strided device-to-host copy. Every field named: the memory types are enums without a zero
+/// value, so `mem::zeroed` is not an option (it aborts the process).
+fn strided_dtoh(src: u64, src_pitch: usize, dst: *mut u8, dst_pitch: usize, width: usize, height: usize) -> sys::CUDA_MEMCPY2D {
+    sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        srcHost: std::ptr::null(),
+        srcDevice: src,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: src_pitch,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+        dstHost: dst as *mut std::ffi::c_void,
+        dstDevice: 0,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: dst_pitch,
+        WidthInBytes: width,
+        Height: height,
+    }
+}
+
 /// Copies `height` runs of `width` bytes from `src` (its runs `src_pitch` bytes apart, starting at its first byte) to
 /// `dst` on `stream`: one strided copy (`cuMemcpy2DAsync`) where both pitches are within the device's
 /// `max_pitch`, else a copy per run. Exactly these bytes: cudarc's `memcpy_dtoh` copies `size_of_val(dst)`, a pinned
@@ -82,16 +105,7 @@ pub(super) fn copy_runs<T>(
     let (from, _record) = src.device_ptr(stream);
     let to = |k: usize| block.addr(dst.at + k * dst.pitch).ok_or_else(|| KernelError("a pinned block's address".into()));
     if strided {
-        // SAFETY: a plain-old-data struct of integers and pointers, for which all zeros is "unset".
-        let mut p: sys::CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
-        p.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-        p.srcDevice = from;
-        p.srcPitch = src_pitch;
-        p.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_HOST;
-        p.dstHost = to(0)? as *mut std::ffi::c_void;
-        p.dstPitch = dst.pitch;
-        p.WidthInBytes = width;
-        p.Height = height;
+        let p = strided_dtoh(from, src_pitch, to(0)?, dst.pitch, width, height);
         // SAFETY: both extents are within their allocations (checked above: the view is of this device's arena,
         // the block is page-locked host memory of this context) and no host code reads the block's bytes until
         // the ring's `copies_done` for this buffer completes.
@@ -182,7 +196,18 @@ impl CudaDevice {
 
 #[cfg(test)]
 mod tests {
-    use super::Runs;
+    use super::{strided_dtoh, sys, Runs};
+
+    #[test]
+    fn a_strided_copys_parameters_are_built_without_a_gpu() {
+        let mut host = [0u8; 8];
+        let p = strided_dtoh(0x1000, 4096, host.as_mut_ptr(), 512, 256, 4);
+        assert!(matches!(p.srcMemoryType, sys::CUmemorytype::CU_MEMORYTYPE_DEVICE));
+        assert!(matches!(p.dstMemoryType, sys::CUmemorytype::CU_MEMORYTYPE_HOST));
+        assert_eq!((p.srcDevice, p.srcPitch, p.dstPitch, p.WidthInBytes, p.Height), (0x1000, 4096, 512, 256, 4));
+        assert_eq!(p.dstHost as *const u8, host.as_ptr());
+        assert!(p.srcArray.is_null() && p.dstArray.is_null() && p.srcHost.is_null());
+    }
 
     #[test]
     fn a_copys_runs_fit_both_sides_or_are_refused() {

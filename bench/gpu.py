@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -169,6 +170,22 @@ def main() -> None:
             spread(name, passes)
 
 
+def run_mode(cmd: list[str], env: dict) -> tuple[int | None, str, str]:
+    """One mode's run in its own process group: (exit status, or None when it ran past HSBENCH_MODE_LIMIT_S seconds
+    and was killed with its engine, its output so far)."""
+    limit = float(env.get("HSBENCH_MODE_LIMIT_S", "900"))
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    try:
+        out, err = p.communicate(timeout=limit)
+        return p.returncode, out, err
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        return None, out or "", err or ""
+
+
 def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: dict) -> dict:
     """Each mode once, in the order given; its results by mode."""
     results = {}
@@ -190,11 +207,12 @@ def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: di
             str(args.decode),
         ]
         t = time.perf_counter()
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        line = [ln for ln in r.stdout.splitlines() if ln.startswith("BENCH_JSON ")]
-        if r.returncode != 0 or not line:
-            tail = "\n".join((r.stdout + r.stderr).splitlines()[-25:])
-            print(f"[{name}/{mode}] FAILED after {time.perf_counter() - t:.0f} s:\n{tail}", flush=True)
+        rc, stdout, stderr = run_mode(cmd, env)
+        line = [ln for ln in stdout.splitlines() if ln.startswith("BENCH_JSON ")]
+        if rc != 0 or not line:
+            tail = "\n".join((stdout + stderr).splitlines()[-25:])
+            why = "its time limit (HSBENCH_MODE_LIMIT_S)" if rc is None else f"exit status {rc}"
+            print(f"[{name}/{mode}] FAILED after {time.perf_counter() - t:.0f} s ({why}):\n{tail}", flush=True)
             continue
         res = json.loads(line[-1][len("BENCH_JSON ") :])
         results[mode] = res

@@ -140,6 +140,34 @@ def cpu_times() -> dict | None:
     return {k: int(v) / hz for k, v in zip(names, fields[1:], strict=False)}
 
 
+_MEASURED = []  # set once the run's result is printed: the engine's shutdown after it is not a death
+
+
+def exit_if_engine_dies(every_s: float = 2.0) -> None:
+    """A watchdog thread: once a child process of this run (vLLM's engine core) ends with an error or a signal, this
+    run prints why and exits. vLLM's LLM.generate does not return when its engine core dies (shown on vLLM 0.16 for
+    CPU with a worker that aborts in execute_model, hscapture or not: "Engine core proc ... died unexpectedly", then
+    generate waits for ever), so without this a crashed engine costs the whole device call."""
+    import multiprocessing
+    import threading
+
+    def watch() -> None:
+        seen = {}
+        while True:
+            for p in multiprocessing.active_children():
+                seen[p.pid] = p
+            for pid, p in list(seen.items()):
+                if p.exitcode is not None:
+                    del seen[pid]
+                    if p.exitcode != 0 and not _MEASURED:
+                        why = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit status {p.exitcode}"
+                        print(f"BENCH_ENGINE_DIED {p.name} (pid {pid}) ended with {why}", flush=True)
+                        os._exit(3)
+            time.sleep(every_s)
+
+    threading.Thread(target=watch, name="bench-engine-watch", daemon=True).start()
+
+
 def engine_thread(worker) -> tuple[int, int]:
     """The worker's process and the thread this call runs on: the engine's (at TP 1 the engine core's busy loop
     runs the worker and its calls)."""
@@ -293,6 +321,7 @@ if __name__ == "__main__":
             if os.path.exists(os.path.join(d, "start")):
                 os.unlink(os.path.join(d, "start"))
     llm = LLM(**kw)
+    exit_if_engine_dies()
     cfg = json.load(open(os.path.join(model, "config.json")))
     rng = random.Random(0)
     prompts = [
@@ -424,4 +453,5 @@ if __name__ == "__main__":
             for k, v in st.items()
             if k.startswith("host_slow_")
         }
+    _MEASURED.append(True)
     print("BENCH_JSON " + json.dumps(info), flush=True)

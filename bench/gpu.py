@@ -28,6 +28,7 @@ queue, as hscapture's own driver does) instead of one per batch, in every mode.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -181,7 +182,8 @@ def run_mode(cmd: list[str], env: dict) -> tuple[int | None, str, str]:
         out, err = p.communicate(timeout=limit)
         return p.returncode, out, err
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # the group ended meanwhile
+            os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate()
         return None, out or "", err or ""
 

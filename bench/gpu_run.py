@@ -10,6 +10,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -140,7 +141,7 @@ def cpu_times() -> dict | None:
     return {k: int(v) / hz for k, v in zip(names, fields[1:], strict=False)}
 
 
-_MEASURED = []  # set once the run's result is printed: the engine's shutdown after it is not a death
+_MEASURED = threading.Event()  # set once the run's result is printed: the engine's shutdown after it is no death
 
 
 def exit_if_engine_dies(every_s: float = 2.0) -> None:
@@ -149,7 +150,6 @@ def exit_if_engine_dies(every_s: float = 2.0) -> None:
     CPU with a worker that aborts in execute_model, hscapture or not: "Engine core proc ... died unexpectedly", then
     generate waits for ever), so without this a crashed engine costs the whole device call."""
     import multiprocessing
-    import threading
 
     def watch() -> None:
         seen = {}
@@ -159,7 +159,7 @@ def exit_if_engine_dies(every_s: float = 2.0) -> None:
             for pid, p in list(seen.items()):
                 if p.exitcode is not None:
                     del seen[pid]
-                    if p.exitcode != 0 and not _MEASURED:
+                    if p.exitcode != 0 and not _MEASURED.is_set():
                         why = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit status {p.exitcode}"
                         print(f"BENCH_ENGINE_DIED {p.name} (pid {pid}) ended with {why}", flush=True)
                         os._exit(3)
@@ -453,5 +453,5 @@ if __name__ == "__main__":
             for k, v in st.items()
             if k.startswith("host_slow_")
         }
-    _MEASURED.append(True)
+    _MEASURED.set()
     print("BENCH_JSON " + json.dumps(info), flush=True)

@@ -7,6 +7,7 @@
 #        (vLLM 0.26: `VLLM=0.26 bash scripts/gpu_session.sh install` carry [".gpu/vllm-0.26"], built by
 #        scripts/vllm-0.26/build.sh; everything after it is the same)
 #   run: bash scripts/gpu_session.sh run [WHAT] carry [".gpu/stage"]
+# (scripts/gpu_call.sh does both in one call, within the call's time, and compares this tree's wheel with a base's.)
 #
 # WHAT (default "tests,bench"): tests = tests/gpu (TESTS narrows it; the whole of it no longer fits one call:
 # tests-a, tests-b, tests-c and tests-d are its parts, one call each); bench = bench/gpu.py for the Llama-8B and DeepSeek-V3

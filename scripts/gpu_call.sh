@@ -3,10 +3,10 @@
 # each part's limit is what the call has left (CALL_S, default 585 s of the 600 a command may run), so that a slow
 # start or a slow part shortens the last part instead of losing the call's logs. Prepared here, run through `device`:
 #
-#   scripts/gpu_call.sh prepare [BASE]   # here: .gpu/call with this tree's wheel (whl/), BASE's wheel (old/, built in
-#                                        # a worktree; default HEAD~1, or HEAD while the tree has uncommitted changes),
-#                                        # pytest and speculators' fp8 quantizer
-#   run: WHAT=device bash scripts/gpu_call.sh    carry [".gpu/vllm-0.26", ".gpu/call"]   (scripts/vllm-0.26/build.sh)
+#   scripts/gpu_call.sh prepare [BASE]   # here: .gpu/stage as `gpu_session.sh stage-wheel` makes it, plus BASE's wheel
+#                                        # in .gpu/stage/old (built in a worktree; default HEAD~1, or HEAD while the
+#                                        # tree has uncommitted changes)
+#   run: WHAT=device bash scripts/gpu_call.sh    carry [".gpu/vllm-0.26", ".gpu/stage"]   (scripts/vllm-0.26/build.sh)
 #
 # WHAT: device = tests/gpu's device-path tests, then bench/step_host.py --device cuda with both wheels, alternating
 # (the host's cost of a decode step, before and after); eager = device, then eager decode (MODES, REPEAT=2);
@@ -18,15 +18,12 @@ cd "$(dirname "$0")/.."
 if [[ "${1:-}" == prepare ]]; then
   set -e
   base=${2:-$(if git diff --quiet HEAD; then git rev-parse HEAD~1; else git rev-parse HEAD; fi)}
-  rm -rf .gpu/call && mkdir -p .gpu/call/whl .gpu/call/old .gpu/call/spec/speculators-0.9.0/hs_connectors
-  .venv/bin/maturin build --release -q -o .gpu/call/whl
-  .venv/bin/pip download -q --no-deps -d .gpu/call/whl pytest==8.4.2 pluggy iniconfig packaging pygments
-  cp .venv/speculators-0.9.0/hs_connectors/fp8_utils.py .gpu/call/spec/speculators-0.9.0/hs_connectors/
+  bash scripts/gpu_session.sh stage-wheel
   wt=$(mktemp -d) && git worktree add -q --detach "$wt" "$base"
   [[ -d /tmp/hscapture-old-target ]] || cp -r target /tmp/hscapture-old-target  # its dependencies, built once
-  (cd "$wt" && CARGO_TARGET_DIR=/tmp/hscapture-old-target "$OLDPWD/.venv/bin/maturin" build --release -q -o "$OLDPWD/.gpu/call/old")
+  (cd "$wt" && CARGO_TARGET_DIR=/tmp/hscapture-old-target "$OLDPWD/.venv/bin/maturin" build --release -q -o "$OLDPWD/.gpu/stage/old")
   git worktree remove --force "$wt"
-  echo "base $base" >.gpu/call/BASE && du -sh .gpu/call
+  echo "base $base" >.gpu/stage/BASE && du -sh .gpu/stage
   exit 0
 fi
 T0=$(date +%s) CALL_S=${CALL_S:-585}
@@ -39,8 +36,7 @@ if [[ ! -d /tmp/site/vllm ]]; then  # a warm machine keeps it
   tail -3 "$OUT/install.log"
 fi
 echo "[call] installed at $(($(date +%s) - T0)) s"
-rm -rf .gpu/stage && cp -r .gpu/call .gpu/stage  # what gpu_session.sh installs
-[[ -d /tmp/siteold/hscapture ]] || pip install -q --no-index --no-deps --target /tmp/siteold .gpu/call/old/*.whl
+[[ -d /tmp/siteold/hscapture ]] || pip install -q --no-index --no-deps --target /tmp/siteold .gpu/stage/old/*.whl
 device_tests() {
   TESTS="tests/gpu/test_device_path.py tests/gpu/test_early_copies.py tests/gpu/test_fp8_device.py" \
     TESTS_LIMIT_S=$(($(left) < 150 ? $(left) : 150)) bash scripts/gpu_session.sh run tests
@@ -50,7 +46,7 @@ step_host() {  # gpu_session.sh's run left /tmp/hs (tests, bench) and this tree'
     for w in new old; do
       (($(left) > 70)) || { echo "[call] no time left for step_host $w"; continue; }
       site=/tmp/site && [[ $w == old ]] && site=/tmp/siteold:/tmp/site
-      echo "== step_host $w ($(cat .gpu/call/BASE 2>/dev/null) is old)"
+      echo "== step_host $w ($(cat .gpu/stage/BASE 2>/dev/null) is old)"
       (cd /tmp/hs && PYTHONPATH=$site timeout 60 python3 bench/step_host.py --device cuda --layers 4 --decode 256 2>&1 | tail -3)
     done
   done 2>&1 | tee "$OUT/step-host.log"

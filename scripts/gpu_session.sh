@@ -2,7 +2,7 @@
 # The H200 session in two device calls (each ≤ 10 min; the machine idles out ~30 s after a call, so run
 # the second right after the first). Prepared here, run through the `device` tool:
 #
-#   scripts/gpu_session.sh stage          # here: copies vLLM 0.23 and builds .gpu/stage (wheel + pytest)
+#   scripts/gpu_session.sh stage          # here: copies vLLM 0.23 and builds .gpu/stage (stage-wheel: wheel + pytest)
 #   run: bash scripts/gpu_session.sh install   carry [".gpu/vllm-0.23"]
 #        (vLLM 0.26: `VLLM=0.26 bash scripts/gpu_session.sh install` carry [".gpu/vllm-0.26"], built by
 #        scripts/vllm-0.26/build.sh; everything after it is the same)
@@ -47,18 +47,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-}
 case "$what" in
-  stage)
-    rm -rf .gpu/vllm-0.23 .gpu/stage && mkdir -p .gpu/stage/whl
-    cp -r ../shared/gpu/vllm-0.23 .gpu/vllm-0.23
+  stage-wheel)  # the wheel, pytest and speculators' fp8 quantizer (for the fp8 kernel's bit-for-bit test)
+    rm -rf .gpu/stage && mkdir -p .gpu/stage/whl .gpu/stage/spec/speculators-0.9.0/hs_connectors
     .venv/bin/maturin build --release -q -o .gpu/stage/whl
     .venv/bin/pip download -q --no-deps -d .gpu/stage/whl pytest==8.4.2 pluggy iniconfig packaging pygments
+    cp .venv/speculators-0.9.0/hs_connectors/fp8_utils.py .gpu/stage/spec/speculators-0.9.0/hs_connectors/
+    ;;
+  stage)
+    bash "$0" stage-wheel
+    rm -rf .gpu/vllm-0.23 && cp -r ../shared/gpu/vllm-0.23 .gpu/vllm-0.23
     # What `vllm serve` and speculators' generate-offline-data need beyond the payload (scripts/gpu_serve_wheels.txt).
     grep -v '^#' scripts/gpu_serve_wheels.txt | xargs python3 -m pip download -q --no-deps --only-binary=:all: \
       --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 --platform any -d .gpu/stage/whl
-    # speculators' fp8 quantizer (one file) for the fp8 kernel's bit-for-bit test.
-    mkdir -p .gpu/stage/spec/speculators-0.9.0/hs_connectors
-    cp .venv/speculators-0.9.0/hs_connectors/fp8_utils.py .gpu/stage/spec/speculators-0.9.0/hs_connectors/
     du -sh .gpu/stage .gpu/vllm-0.23
     ;;
   install)  # VLLM=0.26: the payload scripts/vllm-0.26/build.sh made (carry [".gpu/vllm-0.26"] instead)

@@ -16,7 +16,7 @@
 
 use cudarc::driver::sys::CUstreamCaptureStatus;
 
-use super::step_copies::copy_to_pinned;
+use super::step_copies::{copy_runs, HostRuns};
 use super::*;
 
 /// Which launches of the armed step copy early, apart from the events that carry them out: no CUDA here, so that
@@ -122,12 +122,13 @@ impl CudaDevice {
         };
         let (half, rows) = (a.half, a.rows);
         let src = self.arena.slot_rows(half, slot, rows)?;
+        let rb = self.arena.row_bytes();
         let host = self.ring.current_mut()?;
-        let (copy, early) = (&self.copy, &self.early);
+        let (copy, early, max_pitch) = (&self.copy, &self.early, self.max_pitch);
         guarded("enqueueing an early copy to host", || {
             drv("cuEventRecord", early.launched[slot].record(s))?;
             drv("cuStreamWaitEvent", copy.wait(&early.launched[slot]))?;
-            copy_to_pinned(copy, &src, &mut host.data[slot])?;
+            copy_runs(copy, &src, 0, &HostRuns::slots(host, host.data, slot), rows * rb, 1, max_pitch)?;
             drv("cuEventRecord", early.copied[slot].record(copy))
         })
         .map_err(kerr)?;

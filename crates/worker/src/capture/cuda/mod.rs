@@ -26,12 +26,13 @@
 
 mod arena;
 mod early_copies;
+mod pinned;
 mod ring;
 mod step_copies;
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaEvent, CudaStream, DriverError};
+use cudarc::driver::{result, sys, CudaEvent, CudaStream, DevicePtr, DriverError};
 
 use crate::capture::device::{DeviceBackend, PinnedStep};
 use crate::capture::tensor::{Device, TensorDesc};
@@ -77,6 +78,8 @@ pub struct CudaDevice {
     quantize: bool,
     early: EarlyCopies,
     src_rows: Vec<i32>,
+    /// The largest pitch a strided copy takes on this device (`CU_DEVICE_ATTRIBUTE_MAX_PITCH`; 0: copy run by run).
+    max_pitch: usize,
 }
 
 impl CudaDevice {
@@ -127,6 +130,7 @@ impl CudaDevice {
         let layout = ArmedLayout { slots, capacity, width, halves };
         let kernel = CaptureKernel::load(ordinal).map_err(kerr)?;
         let ctx = Arc::clone(kernel.context());
+        let max_pitch = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_PITCH).map_or(0, |p| p.max(0) as usize);
         let (copy, arena, forward_done, half_free, early) = guarded("allocating the capture arena", || {
             let copy = drv("cuStreamCreate", ctx.new_stream())?;
             let arena = drv("cuMemAlloc", DeviceArena::new(&copy, layout, dtype, quantize))?;
@@ -156,6 +160,7 @@ impl CudaDevice {
             quantize,
             early,
             src_rows: Vec::with_capacity(capacity),
+            max_pitch,
         })
     }
 
@@ -178,6 +183,20 @@ impl CudaDevice {
                 s
             }
         }
+    }
+
+    /// Disarms on `s` (stream-ordered after the step's forward): the control block zeroed, as `Control::DISARMED`
+    /// reads, by a memset that needs no host staging (a pageable copy does).
+    fn write_disarmed(&mut self, s: &Arc<CudaStream>) -> CoreResult<()> {
+        debug_assert_eq!(Control::DISARMED.words(), [0; CONTROL_WORDS]);
+        let block = self.arena.ctl()?;
+        let (ptr, _record) = block.device_ptr(s);
+        guarded("cuMemsetD8Async", || {
+            // SAFETY: the control block is this device's allocation of CONTROL_WORDS u32 words, alive while any
+            // launch may read it (the module's invariants); zero is a valid pattern for it (disarmed).
+            drv("cuMemsetD8Async", unsafe { result::memset_d8_async(ptr, 0, CONTROL_WORDS * 4, s.cu_stream()) })
+        })
+        .map_err(kerr)
     }
 
     /// Writes the control block on `s` (stream-ordered after the forward before it, before the one after).
@@ -266,7 +285,7 @@ impl DeviceBackend for CudaDevice {
         };
         self.early.policy.off();
         self.kernel.bind().map_err(kerr)?;
-        self.write_control(Control::DISARMED, &a.stream)
+        self.write_disarmed(&a.stream)
     }
 
     unsafe fn launch(
@@ -333,7 +352,7 @@ impl DeviceBackend for CudaDevice {
         if self.quantize && a.rows > 0 {
             self.quantize_step(&a)?;
         }
-        self.write_control(Control::DISARMED, &a.stream)?;
+        self.write_disarmed(&a.stream)?;
         guarded("cuEventRecord", || drv("cuEventRecord", self.forward_done.record(&a.stream))).map_err(kerr)?;
         self.copy_step(&a)?;
         self.early.policy.off();

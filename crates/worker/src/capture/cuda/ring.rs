@@ -8,7 +8,9 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DeviceRepr, DriverError, PinnedHostSlice};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError};
+
+use super::pinned::PinnedBlock;
 
 use crate::capture::device::PinnedStep;
 use crate::capture::host_pool::HostPool;
@@ -21,50 +23,108 @@ fn cuda_err(what: &str, e: DriverError) -> crate::CoreError {
     core_err!(Compatibility, "CUDA: {what}: {e:?}")
 }
 
-/// `n` elements of page-locked host memory, not write-combined (the assembler thread reads it).
-fn pinned<T: DeviceRepr>(ctx: &Arc<CudaContext>, n: usize) -> Result<PinnedHostSlice<T>, DriverError> {
-    // SAFETY: u8/u32/u64/f32 are valid for every bit pattern, the pages come zeroed from the kernel, and a row is
-    // read only once a copy of the step that holds it wrote it (the step's plan names the rows it copied).
-    unsafe { ctx.alloc_pinned_with_flags::<T>(n, 0) }
+/// Where a per-slot region of a [`HostBuf`] lies: slot `s` starts at byte `at + s * pitch`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Region {
+    pub at: usize,
+    pub pitch: usize,
 }
 
-/// One pinned host buffer: per slot the step's rows (fp8: codes, a byte per value), their checksums and
-/// non-finite counts; each slot's stamp; with fp8 a scale per row. Read only after the buffer's `copies_done` event
-/// (`HostRing`), which follows every copy into it: the context tracks no events of its own (`launch.rs`).
+impl Region {
+    pub fn slot(&self, s: usize) -> usize {
+        self.at + s * self.pitch
+    }
+}
+
+/// Where each region of a [`HostBuf`] lies in its block: per slot the step's rows (fp8: codes, a byte per value),
+/// their checksums and non-finite counts, each region with its slots `capacity` rows apart (so that one strided copy
+/// fills a region for every slot); each slot's stamp; with fp8 a scale per row. Each region starts on a 64-byte
+/// boundary (the u64 checksums need 8).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostLayout {
+    pub data: Region,
+    pub sums: Region,
+    pub bad: Region,
+    pub stamps_at: usize,
+    pub scales_at: Option<usize>,
+    /// Bytes of the block.
+    pub len: usize,
+}
+
+impl HostLayout {
+    pub fn new(slots: usize, capacity: usize, row_bytes: usize, quantize: bool) -> CoreResult<HostLayout> {
+        let overflow = || core_err!(Config, "a pinned host buffer of {capacity} rows × {slots} slots × {row_bytes} bytes overflows");
+        let mut len = 0usize;
+        let mut region = |pitch: Option<usize>, count: usize| -> CoreResult<Region> {
+            let pitch = pitch.ok_or_else(overflow)?;
+            let at = len.checked_next_multiple_of(64).ok_or_else(overflow)?;
+            len = pitch.checked_mul(count).and_then(|b| b.checked_add(at)).ok_or_else(overflow)?;
+            Ok(Region { at, pitch })
+        };
+        let data = region(capacity.checked_mul(row_bytes), slots)?;
+        let sums = region(capacity.checked_mul(8), slots)?;
+        let bad = region(capacity.checked_mul(4), slots)?;
+        let stamps_at = region(Some(STAMP_WORDS * 4), slots)?.at;
+        let scales_at = if quantize { Some(region(capacity.checked_mul(4), 1)?.at) } else { None };
+        Ok(HostLayout { data, sums, bad, stamps_at, scales_at, len })
+    }
+}
+
+/// One pinned host buffer: one page-locked block laid out as [`HostLayout`] says. Read only after the buffer's
+/// `copies_done` event (`HostRing`), which follows every copy into it.
 pub struct HostBuf {
-    pub data: Vec<PinnedHostSlice<u8>>,
-    pub sums: Vec<PinnedHostSlice<u64>>,
-    pub bad: Vec<PinnedHostSlice<u32>>,
-    pub stamps: PinnedHostSlice<u32>,
-    pub scales: Option<PinnedHostSlice<f32>>,
+    block: PinnedBlock,
+    slots: usize,
+    capacity: usize,
     /// Bytes of one row in `data` (fp8: the width).
     row_bytes: usize,
+    pub data: Region,
+    pub sums: Region,
+    pub bad: Region,
+    pub stamps_at: usize,
+    pub scales_at: Option<usize>,
 }
 
 impl HostBuf {
-    fn new(ctx: &Arc<CudaContext>, slots: usize, capacity: usize, row_bytes: usize, quantize: bool) -> Result<HostBuf, DriverError> {
-        let stamps = pinned(ctx, slots * STAMP_WORDS)?;
-        let mut b = HostBuf { data: Vec::new(), sums: Vec::new(), bad: Vec::new(), stamps, scales: None, row_bytes };
-        for _ in 0..slots {
-            b.data.push(pinned(ctx, capacity * row_bytes)?);
-            b.sums.push(pinned(ctx, capacity)?);
-            b.bad.push(pinned(ctx, capacity)?);
-        }
-        if quantize {
-            b.scales = Some(pinned(ctx, capacity)?);
-        }
-        Ok(b)
+    fn new(ctx: &Arc<CudaContext>, slots: usize, capacity: usize, row_bytes: usize, quantize: bool) -> CoreResult<HostBuf> {
+        let HostLayout { data, sums, bad, stamps_at, scales_at, len } = HostLayout::new(slots, capacity, row_bytes, quantize)?;
+        let block = PinnedBlock::new(ctx, len).map_err(|e| cuda_err("cuMemHostAlloc", e))?;
+        Ok(HostBuf { block, slots, capacity, row_bytes, data, sums, bad, stamps_at, scales_at })
+    }
+
+    pub fn block(&self) -> &PinnedBlock {
+        &self.block
+    }
+
+    /// `n` values of `T` from byte `at`.
+    fn values<T: Copy>(&self, at: usize, n: usize) -> CoreResult<&[T]> {
+        // SAFETY: `CudaPinnedStep` hands this buffer out only after its `copies_done` event completed, and the ring
+        // copies into it again only once it is given back (`current_mut` refuses a shared buffer); the regions hold
+        // u8/u32/u64/f32, valid for every bit pattern.
+        unsafe { self.block.slice(at, n) }
+            .ok_or_else(|| core_err!(Compatibility, "{n} values at byte {at} overrun a pinned host buffer of {}", self.block.len()))
+    }
+
+    /// `n` values of `T` of each slot's part of `r`.
+    fn per_slot<T: Copy>(&self, r: Region, n: usize) -> CoreResult<Vec<&[T]>> {
+        (0..self.slots).map(|s| self.values(r.slot(s), n)).collect()
     }
 
     /// The rows, once every copy into this buffer is done.
-    fn view(&self) -> Result<SlotRows<'_>, DriverError> {
+    fn view(&self) -> CoreResult<SlotRows<'_>> {
+        let cap = self.capacity;
+        let scales = self.scales_at.map(|at| self.values(at, cap)).transpose()?;
         Ok(SlotRows {
-            data: self.data.iter().map(|d| d.as_slice()).collect::<Result<_, _>>()?,
-            sums: self.sums.iter().map(|d| d.as_slice()).collect::<Result<_, _>>()?,
-            bad: self.bad.iter().map(|d| d.as_slice()).collect::<Result<_, _>>()?,
-            scales: self.scales.as_ref().map(|s| s.as_slice()).transpose()?,
+            data: self.per_slot(self.data, cap * self.row_bytes)?,
+            sums: self.per_slot(self.sums, cap)?,
+            bad: self.per_slot(self.bad, cap)?,
+            scales,
             row_bytes: self.row_bytes,
         })
+    }
+
+    fn stamps(&self) -> CoreResult<&[u32]> {
+        self.values(self.stamps_at, self.slots * STAMP_WORDS)
     }
 }
 
@@ -79,11 +139,10 @@ impl PinnedStep for CudaPinnedStep {
         self.ring_slot
     }
     fn rows(&self) -> CoreResult<Box<dyn StepRows + Sync + '_>> {
-        Ok(Box::new(self.buf.view().map_err(|e| cuda_err("reading a step's host buffer", e))?))
+        Ok(Box::new(self.buf.view()?))
     }
     fn stamps(&self) -> CoreResult<Vec<Stamp>> {
-        let words = self.buf.stamps.as_slice().map_err(|e| cuda_err("reading a step's stamps", e))?;
-        Ok(words.chunks_exact(STAMP_WORDS).map(Stamp::from_words).collect())
+        Ok(self.buf.stamps()?.chunks_exact(STAMP_WORDS).map(Stamp::from_words).collect())
     }
 }
 
@@ -102,7 +161,7 @@ impl HostRing {
         let mut r = HostRing { bufs: Vec::with_capacity(pool.len()), copies_done: Vec::with_capacity(pool.len()), pool };
         for i in 0..r.pool.len() {
             let cap = r.pool.capacity(i);
-            r.bufs.push(Arc::new(HostBuf::new(ctx, slots, cap, row_bytes, quantize).map_err(|e| cuda_err("cuMemHostAlloc", e))?));
+            r.bufs.push(Arc::new(HostBuf::new(ctx, slots, cap, row_bytes, quantize)?));
             r.copies_done.push(ctx.new_event(None).map_err(|e| cuda_err("cuEventCreate", e))?);
         }
         Ok(r)
@@ -162,5 +221,28 @@ impl HostRing {
         let i = step.ring_slot();
         drop(step);
         self.pool.give_back(i)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_host_buffers_regions_are_aligned_and_apart() {
+        for (slots, cap, rb, q) in [(4, 64, 8192, false), (3, 5, 7, true), (1, 1, 1, false), (5, 16384, 14336, false)] {
+            let l = HostLayout::new(slots, cap, rb, q).unwrap();
+            let mut spans = vec![(l.data.at, slots * cap * rb), (l.sums.at, slots * cap * 8), (l.bad.at, slots * cap * 4)];
+            spans.push((l.stamps_at, slots * STAMP_WORDS * 4));
+            spans.extend(l.scales_at.map(|a| (a, cap * 4)));
+            assert_eq!((l.data.pitch, l.sums.pitch, l.bad.pitch), (cap * rb, cap * 8, cap * 4));
+            for w in spans.windows(2) {
+                assert!(w[0].0 + w[0].1 <= w[1].0, "{slots}×{cap}×{rb}: regions overlap: {spans:?}");
+            }
+            assert!(spans.iter().all(|(at, _)| at % 64 == 0), "{spans:?}");
+            let (last, n) = spans[spans.len() - 1];
+            assert_eq!(l.len, last + n);
+        }
+        assert!(HostLayout::new(4, usize::MAX / 8, 16, false).is_err(), "an overflowing size is an error, not a wrap");
     }
 }

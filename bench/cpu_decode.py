@@ -10,7 +10,8 @@ Modes: plain (vLLM alone); offline (hscapture's worker, no connector: prompt row
 nothing); prompt (its KV connector, prompt only); outputs (the connector with ``include_output_tokens``: every decode
 step captures each request's row). Each run is a fresh process with the engine in it
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), one warm-up generate, then 3 timed ones; prints ms a step (best), the CPU
-seconds of each thread name over the timed runs, and hscapture's host µs a step (``hscapture_stats``).
+seconds of each thread name over the timed runs, the collections and the engine thread's faults in each step's calls
+(bench/step_watch.py), and hscapture's host µs a step (``hscapture_stats``).
 ``--profile``: cProfile of the last timed generate, the functions whose own time grew most against plain."""
 
 from __future__ import annotations
@@ -39,34 +40,6 @@ def thread_cpu() -> dict[str, float]:
         f = stat.rpartition(")")[2].split()
         out[f"{t}:{name}"] = (int(f[11]) + int(f[12])) / tick
     return out
-
-
-class GcTime:
-    """The interpreter's garbage collections while it runs: per generation, how many and how long (every thread's,
-    the engine's included: a step that allocates more containers pays more of them, in no function of its own)."""
-
-    def __init__(self) -> None:
-        import gc
-        import time
-
-        self._gc, self._clock = gc, time.perf_counter_ns
-        self.count, self.ns, self._t0 = [0, 0, 0], [0, 0, 0], 0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t0 = self._clock()
-        else:
-            g = int(info.get("generation", 0))
-            self.count[g] += 1
-            self.ns[g] += self._clock() - self._t0
-
-    def stop(self) -> None:
-        self._gc.callbacks.remove(self._callback)
-
-    def summary(self, steps: int) -> dict:
-        """Per generation: collections, and µs a step spent in them."""
-        return {f"gen{g}": [self.count[g], round(self.ns[g] / max(1, steps) / 1e3, 1)] for g in range(3)}
 
 
 def run(mode: str, model: str, out: str, a: argparse.Namespace, profile: str | None) -> None:
@@ -120,7 +93,9 @@ def run(mode: str, model: str, out: str, a: argparse.Namespace, profile: str | N
         placed = place(None, a.place)
     capture = mode != "plain"
     base = [r for r in llm.collective_rpc("hscapture_stats") if r][0] if capture else {}
-    gc_time = GcTime()
+    import step_watch
+
+    llm.collective_rpc(step_watch.start)  # collections, and the engine thread's faults in each step's calls
     from placement import migrations
 
     moves0 = migrations(threading.get_native_id())
@@ -135,7 +110,7 @@ def run(mode: str, model: str, out: str, a: argparse.Namespace, profile: str | N
         t = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)
         times.append(time.perf_counter() - t)
-    gc_time.stop()
+    watched = llm.collective_rpc(step_watch.read)[0]
     if prof is not None:
         prof.disable()
         prof.dump_stats(profile)
@@ -146,7 +121,7 @@ def run(mode: str, model: str, out: str, a: argparse.Namespace, profile: str | N
     steps = a.decode + 1  # one prefill step (the prompts fit one step) and the decode steps
     info = {"mode": mode, "ms_per_step": round(min(times) / steps * 1e3, 3), "runs_s": [round(t, 3) for t in times]}
     info["thread_cpu_s"] = {k: v for k, v in sorted(used.items(), key=lambda kv: -kv[1]) if v >= 0.01}
-    info["gc"] = gc_time.summary(3 * steps)
+    info["watch"] = watched
     moves1 = migrations(threading.get_native_id())
     if moves0 is not None and moves1 is not None:  # the engine's thread moving between CPUs over the timed runs
         info["main_migrations"] = moves1 - moves0
@@ -227,7 +202,8 @@ def main() -> int:
             best[m] = min(best.get(m, float("inf")), info["ms_per_step"])
             print(
                 f"[pass {rep + 1}] {m}: {info['ms_per_step']} ms/step (runs {info['runs_s']} s); threads' CPU s "
-                f"{info['thread_cpu_s']}; gc [collections, µs a step] {info['gc']}; engine thread's migrations "
+                f"{info['thread_cpu_s']}; gc [n, ms] and the step's calls [calls, minor faults, CPU ms] {info['watch']}; "
+                f"engine thread's migrations "
                 f"{info.get('main_migrations')}"
                 + (f"; placed {info['placed']}" if "placed" in info else "")
                 + (f"; hscapture host µs/step {info['host_us_per_step']}" if "host_us_per_step" in info else ""),

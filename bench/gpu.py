@@ -18,9 +18,13 @@ rows only), _offline (no connector); any hscapture mode: _w<N> (N writer threads
 writer's threads at nice 10 after start-up), _pinned / _apart before _graphs and _w<N> (the engine's main thread on one
 CPU; with _apart every other thread of its process on other physical cores: bench/placement.py; e.g. plain_apart,
 hscapture_prompt_apart), _early before any other suffix (HSCAPTURE_EARLY_COPY_MIB=4: a large
-step's rows copied layer by layer during the forward, e.g. hscapture_early_graphs).
+step's rows copied layer by layer during the forward, e.g. hscapture_early_graphs), _notrim likewise (glibc's malloc never
+returns heap memory to the system in that mode's processes, so memory freed and allocated again is never touched for
+the first time twice: do the engine thread's page faults cost eager decode? e.g. hscapture_notrim, plain_notrim).
 --decode N: every request also generates N tokens, and the hscapture modes capture prompt and response through the
 KV connector (`include_output_tokens`), one `generate` per batch, vLLM's default chunked prefill.
+Beside each mode: the worker process's garbage collections and the engine thread's minor faults and CPU time inside
+each step's calls (bench/step_watch.py; HSBENCH_WATCH=1: also in hscapture's begin, end and core calls).
 HSBENCH_FEED=stream (environment): each round's prompts in one `generate` (vLLM's scheduler fills every step from its
 queue, as hscapture's own driver does) instead of one per batch, in every mode.
 """
@@ -95,6 +99,15 @@ SHAPES = {
     },
 }
 LAYERS = {"llama8b": "2,16,28,30", "dsv3": "1,3,5,6"}  # after-convention ids (vLLM's own path gets id+1)
+
+
+# glibc reads these at start-up: no heap trimming (the main arena's and the threads' heaps), and every allocation up to
+# the largest mmap threshold glibc accepts (32 MiB) from the heap, so that freed memory is reused, not unmapped.
+NO_TRIM = {
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+    "MALLOC_TOP_PAD_": str(64 << 20),
+}
 
 
 def d2h_ceiling() -> float:
@@ -209,7 +222,7 @@ def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: di
             str(args.decode),
         ]
         t = time.perf_counter()
-        rc, stdout, stderr = run_mode(cmd, env)
+        rc, stdout, stderr = run_mode(cmd, {**env, **NO_TRIM} if "_notrim" in mode else env)
         line = [ln for ln in stdout.splitlines() if ln.startswith("BENCH_JSON ")]
         if rc != 0 or not line:
             tail = "\n".join((stdout + stderr).splitlines()[-25:])
@@ -244,6 +257,12 @@ def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: di
             )
         if "thread_minflt" in res:  # first touches of memory (and remaps) per thread
             print(f"[{name}/{mode}] their minor page faults: {res['thread_minflt']}", flush=True)
+        if "watch" in res:  # bench/step_watch.py: where the engine thread's faults and collections fall
+            print(
+                f"[{name}/{mode}] garbage collections [n, ms] and the step's calls [calls, minor faults, CPU ms]: "
+                f"{res['watch']}",
+                flush=True,
+            )
         if "thread_migrations" in res:  # moves between CPUs per thread (each starts it on cold caches)
             print(f"[{name}/{mode}] their migrations between CPUs: {res['thread_migrations']}", flush=True)
         if "interrupts" in res:  # the machine's, over the rounds: TLB shootdowns, function calls, rescheduling, ticks

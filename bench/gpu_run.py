@@ -13,6 +13,8 @@ import sys
 import threading
 import time
 
+import step_watch  # bench/: it travels to the worker by reference (the worker's path is this one's)
+
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -101,6 +103,15 @@ def threads_used(llm, before: dict | None) -> dict | None:
             acc[i] += v[i] - was[i]
     rows = ((k, [round(v[0], 2), *v[1:]]) for k, v in used.items() if v[0] >= 0.01)
     return dict(sorted(rows, key=lambda kv: -kv[1][0]))
+
+
+def rpc_or_none(llm, fn):
+    """``fn`` run in the worker's process (TP=1: one), or None where it failed (a diagnosis only)."""
+    try:
+        return llm.collective_rpc(fn)[0]
+    except Exception as e:  # noqa: BLE001 - a diagnosis only
+        print(f"{fn.__name__} in the worker unavailable: {type(e).__name__}: {e}", flush=True)
+        return None
 
 
 IRQ_KINDS = ("TLB", "CAL", "RES", "LOC")
@@ -381,6 +392,7 @@ if __name__ == "__main__":
         llm.collective_rpc("hscapture_drain")
         clear()
         base_stats = [r for r in llm.collective_rpc("hscapture_stats") if r][0]
+    watch = rpc_or_none(llm, step_watch.start)  # collections, and faults in the step's calls, from here on
     mem0 = allocator_counts(llm)
     cpu0 = threads_used(llm, None)
     irq0, times0 = interrupts(), cpu_times()
@@ -400,6 +412,7 @@ if __name__ == "__main__":
         clear()
     mem1 = allocator_counts(llm)
     cpu1 = threads_used(llm, cpu0) if cpu0 is not None else None
+    watched = rpc_or_none(llm, step_watch.read) if watch is not None else None
     irq1, times1 = interrupts(), cpu_times()
     if clock is not None:
         clock.stop()
@@ -427,6 +440,8 @@ if __name__ == "__main__":
         info["thread_switches"] = {k: v[1:3] for k, v in list(cpu1.items())[:4]}
         info["thread_minflt"] = {k: v[3] for k, v in list(cpu1.items())[:4]}
         info["thread_migrations"] = {k: v[4] for k, v in list(cpu1.items())[:4]}
+    if watched:  # the worker process's collections, the engine thread's faults and CPU in each step's calls
+        info["watch"] = watched
     if times0 and times1:  # the whole machine's, over the timed rounds
         info["cpu_seconds"] = {
             k: round(times1[k] - times0[k], 2) for k in ("user", "system", "steal", "irq") if k in times1

@@ -8,10 +8,12 @@
 #                                        # tree has uncommitted changes)
 #   run: WHAT=device bash scripts/gpu_call.sh    carry [".gpu/vllm-0.26", ".gpu/stage"]   (scripts/vllm-0.26/build.sh)
 #
-# WHAT: device = tests/gpu's device-path tests, then bench/step_host.py --device cuda with both wheels, alternating
-# (the host's cost of a decode step, before and after); eager = device, then eager decode (MODES, REPEAT=2);
+# WHAT: device = tests/gpu's device-path tests (TESTS narrows them), then bench/step_host.py --device cuda with both
+# wheels, alternating (the host's cost of a decode step, before and after; STEP_HOST=0 skips it); eager = device, then
+# eager decode (MODES, REPEAT=2; HSBENCH_WATCH=1 counts faults and CPU in hscapture's parts: bench/step_watch.py);
 # graphs = prefill under vLLM's defaults, DeepSeek-V3 shape (MODELS, MODES: plain_graphs, hscapture_graphs and
-# hscapture_early_graphs); stream = tests/gpu/test_graph_capture.py, then the same prefill with HSBENCH_FEED=stream.
+# hscapture_early_graphs); stream = tests/gpu/test_graph_capture.py, then the same prefill with HSBENCH_FEED=stream;
+# decode = prompt + response under vLLM's defaults and eager (MODES; default plain_graphs,hscapture_graphs,hscapture,plain).
 # Logs in $OUT (they come back with the call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,12 +38,13 @@ if [[ ! -d /tmp/site/vllm ]]; then  # a warm machine keeps it
   tail -3 "$OUT/install.log"
 fi
 echo "[call] installed at $(($(date +%s) - T0)) s"
-[[ -d /tmp/siteold/hscapture ]] || pip install -q --no-index --no-deps --target /tmp/siteold .gpu/stage/old/*.whl
-device_tests() {
-  TESTS="tests/gpu/test_device_path.py tests/gpu/test_early_copies.py tests/gpu/test_fp8_device.py" \
+[[ -d /tmp/siteold/hscapture || ! -d .gpu/stage/old ]] || pip install -q --no-index --no-deps --target /tmp/siteold .gpu/stage/old/*.whl
+device_tests() {  # TESTS narrows them
+  TESTS=${TESTS:-tests/gpu/test_device_path.py tests/gpu/test_early_copies.py tests/gpu/test_fp8_device.py} \
     TESTS_LIMIT_S=$(($(left) < 150 ? $(left) : 150)) bash scripts/gpu_session.sh run tests
 }
-step_host() {  # gpu_session.sh's run left /tmp/hs (tests, bench) and this tree's wheel in /tmp/site
+step_host() {  # STEP_HOST=0 skips it; gpu_session.sh's run left /tmp/hs (tests, bench) and this tree's wheel in /tmp/site
+  [[ ${STEP_HOST:-1} == 0 ]] && return
   for _ in 1 2; do
     for w in new old; do
       (($(left) > 70)) || { echo "[call] no time left for step_host $w"; continue; }
@@ -66,6 +69,9 @@ case "${WHAT:-device}" in
     HSBENCH_FEED=stream MODELS=${MODELS:-dsv3} MODES=${MODES:-plain_graphs,hscapture_graphs} ROUNDS=1 \
       GRAPHS_LIMIT_S=$(left 10) bash scripts/gpu_session.sh run graphs | tail -40
     ;;
-  *) echo "WHAT: device, eager, graphs or stream" >&2 && exit 2 ;;
+  decode)  # prompt + response under vLLM's defaults and eager (gpu_session.sh's decode: 256 requests, one round)
+    ROUNDS=1 timeout "$(left 10)" bash scripts/gpu_session.sh run decode | tail -40
+    ;;
+  *) echo "WHAT: device, eager, graphs, stream or decode" >&2 && exit 2 ;;
 esac
 echo "[call] done at $(($(date +%s) - T0)) s"

@@ -20,7 +20,9 @@ CPU; with _apart every other thread of its process on other physical cores: benc
 hscapture_prompt_apart), _early before any other suffix (HSCAPTURE_EARLY_COPY_MIB=4: a large
 step's rows copied layer by layer during the forward, e.g. hscapture_early_graphs), _notrim likewise (glibc's malloc never
 returns heap memory to the system in that mode's processes, so memory freed and allocated again is never touched for
-the first time twice: do the engine thread's page faults cost eager decode? e.g. hscapture_notrim, plain_notrim).
+the first time twice: do the engine thread's page faults cost eager decode? e.g. hscapture_notrim, plain_notrim);
+_ab (a connector mode, e.g. hscapture_ab): 2×ROUNDS rounds in one process, capture off (paused, requests without
+response rows) and on alternately, each pair's ratio printed: the capture's cost without the drift between processes.
 --decode N: every request also generates N tokens, and the hscapture modes capture prompt and response through the
 KV connector (`include_output_tokens`), one `generate` per batch, vLLM's default chunked prefill.
 Beside each mode: the worker process's garbage collections and the engine thread's minor faults and CPU time inside
@@ -247,6 +249,15 @@ def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: di
             f"process {time.perf_counter() - t:.0f} s)",
             flush=True,
         )
+        if "ab_off" in res:  # _ab: capture off and on, alternating in one process
+            pairs = [a / b for a, b in zip(res["ab_off"], res["rounds"], strict=True)]
+            print(
+                f"[{name}/{mode}] in one process, capture off then on: rounds off "
+                f"{', '.join(f'{x:.2f}' for x in res['ab_off'])} s, on {', '.join(f'{x:.2f}' for x in res['rounds'])} s; "
+                f"on × off per pair {', '.join(f'{x:.3f}' for x in pairs)} (median {statistics.median(pairs):.3f}x; "
+                f"best on / best off {min(res['ab_off']) / min(res['rounds']):.3f}x)",
+                flush=True,
+            )
         if "allocator" in res:  # CUDA caching-allocator counts over the timed rounds (each can synchronise)
             print(f"[{name}/{mode}] allocator over the rounds: {res['allocator']}", flush=True)
         if "thread_cpu_s" in res:  # CPU seconds per thread name over the rounds: the capture's threads vs the engine's

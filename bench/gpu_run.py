@@ -85,6 +85,15 @@ def renice_writers(worker) -> int:
     return n
 
 
+def pause_capture(worker, paused: bool) -> bool:
+    """The `_ab` modes: the worker's capture paused (its steps run as vLLM's own; hooks stay, disarmed) or resumed,
+    between rounds, after a drain left no step in flight."""
+    if getattr(worker, "_hscapture", None) is None:
+        return False
+    worker._hscapture_paused = paused
+    return True
+
+
 def threads_used(llm, before: dict | None) -> dict | None:
     """Per thread name, [CPU seconds, voluntary, involuntary context switches, minor faults, migrations] since
     ``before`` (a ``thread_cpu`` reading), most CPU first; None on failure."""
@@ -341,6 +350,16 @@ if __name__ == "__main__":
     capture = mode.startswith("hscapture")
     extra = {"kv_transfer_params": {"include_output_tokens": True}} if outputs else None
     sp = SamplingParams(max_tokens=max(decode, 1), detokenize=False, ignore_eos=True, temperature=0.0, extra_args=extra)
+    # _ab (an hscapture connector mode): rounds alternate, capture off then on, in this one process (the same CPUs,
+    # the same neighbours): off, the workers' capture is paused and the requests ask for no response rows, so only
+    # vLLM's connector plumbing and the hooks' disarmed launches remain. Each pair's ratio is the capture's cost with
+    # the machine's drift between processes taken out. An on round's last batch is written after it (use several
+    # batches a round: the earlier ones' files are written while the later ones decode, as a server's are).
+    ab = "_ab" in mode
+    if ab and not connector:
+        raise SystemExit(f"{mode}: _ab alternates hscapture's connector capture off and on (needs --decode)")
+    sp_off = SamplingParams(max_tokens=max(decode, 1), detokenize=False, ignore_eos=True, temperature=0.0)
+    sp_flush = SamplingParams(max_tokens=1, detokenize=False, ignore_eos=True, temperature=0.0)
 
     # HSBENCH_FEED=stream: every prompt in one generate, vLLM's scheduler filling each step from its queue (as
     # hscapture's own driver feeds it: no step without prompt rows between batches); by default one generate per
@@ -349,12 +368,12 @@ if __name__ == "__main__":
     if feed not in ("batches", "stream"):
         raise SystemExit(f"HSBENCH_FEED={feed!r}: expected 'batches' or 'stream'")
 
-    def run_round():
+    def run_round(params=sp):
         if feed == "stream":
-            llm.generate(prompts, sp, use_tqdm=False)
+            llm.generate(prompts, params, use_tqdm=False)
             return
         for b in range(0, len(prompts), batch):
-            llm.generate(prompts[b : b + batch], sp, use_tqdm=False)
+            llm.generate(prompts[b : b + batch], params, use_tqdm=False)
 
     def clear():  # the connector's files: read by nobody here; removed so that disk space stays flat
         if connector:
@@ -397,9 +416,22 @@ if __name__ == "__main__":
     cpu0 = threads_used(llm, None)
     irq0, times0 = interrupts(), cpu_times()
     clock = clock_sampler(llm)
-    per, drains, parts = [], [], []
-    for _ in range(rounds):
+    per, drains, parts, off = [], [], [], []
+    for r in range(2 * rounds if ab else rounds):
         place()
+        if ab and r % 2 == 0:  # capture off: the pair's first round
+            # The last batch's samples complete with the next step the capture sees (the connector's metadata carries
+            # their tokens): one short prompt-only request first, then their files, outside the timed rounds.
+            llm.generate(prompts[:1], sp_flush, use_tqdm=False)
+            llm.collective_rpc("hscapture_drain")
+            clear()
+            llm.collective_rpc(pause_capture, args=(True,))
+            t0 = time.perf_counter()
+            run_round(sp_off)
+            off.append(time.perf_counter() - t0)
+            llm.collective_rpc(pause_capture, args=(False,))
+            clear()
+            continue
         t0 = time.perf_counter()
         run_round()
         t1 = time.perf_counter()
@@ -433,6 +465,8 @@ if __name__ == "__main__":
         "drains": drains,
         "drain_parts": parts,
     }
+    if ab:  # capture off and on, round by round in this process
+        info["ab_off"] = off
     if mem0 is not None and mem1 is not None:  # over the timed rounds
         info["allocator"] = {k: mem1[k] - mem0[k] for k in ALLOCATOR_COUNTS}
     if cpu1:  # the worker process's threads over the timed rounds (TP=1: the engine core's process)

@@ -11,6 +11,12 @@ For each trace, over the span from the first to the last GPU activity:
   launched against eager kernel launches (FULL graphs in decode: one graph launch a step, few kernel launches);
 - the longest idle gaps: where in the span, the GPU activity either side, and what the host was doing meanwhile (the
   host events that overlap the gap most: CUDA calls, operators, vLLM's annotations).
+- the busiest host thread's work (the engine's thread): each operator's and CUDA call's self time (its duration less
+  the traced events inside it), and the thread's time inside no traced event (Python between operators).
+With several traces, the host side of each is compared with the first mode named ``plain`` (else the first trace):
+per operator, calls and mean self µs in both, and where the difference in total self time went; an operator that
+got uniformly slower (every aten op ~+30 %) points at the machine (caches, another thread), one that got more calls
+or longer alone at the code that calls it.
 Prints one block per trace; reads nothing else and writes nothing."""
 
 import gzip
@@ -60,7 +66,71 @@ def gap_histogram(gaps: list[float]) -> str:
     return "; ".join(parts)
 
 
-def report(path: Path) -> str:
+def host_self(events: list[dict]) -> tuple[str, dict[str, list[float]], float, float]:
+    """The busiest host thread (most cpu_op time): (its id, name -> [calls, self µs], its span µs, µs inside no
+    traced event)."""
+    nested = [e for e in events if e.get("cat") in HOST_WHILE]
+    busy = Counter()
+    for e in nested:
+        if e.get("cat") == "cpu_op":
+            busy[(e.get("pid"), e.get("tid"))] += float(e["dur"])
+    if not busy:
+        return "-", {}, 0.0, 0.0
+    thread = busy.most_common(1)[0][0]
+    mine = sorted(
+        (e for e in nested if (e.get("pid"), e.get("tid")) == thread), key=lambda e: (float(e["ts"]), -float(e["dur"]))
+    )
+    table: dict[str, list[float]] = {}
+    stack: list[tuple[float, str]] = []  # (end, key) of the open events
+    covered, top_end = 0.0, None
+    for e in mine:
+        s, d = float(e["ts"]), float(e["dur"])
+        while stack and stack[-1][0] <= s:
+            stack.pop()
+        key = f"{e.get('cat')}:{e['name'][:70]}"
+        if key.startswith("user_annotation:execute_context"):
+            key = "user_annotation:execute_context (a step)"
+        row = table.setdefault(key, [0, 0.0])
+        row[0] += 1
+        row[1] += d
+        if stack:  # inside its parent: the parent's self time loses it
+            table[stack[-1][1]][1] -= min(d, stack[-1][0] - s)
+        else:
+            covered += d if top_end is None or s >= top_end else max(0.0, s + d - top_end)
+            top_end = s + d if top_end is None else max(top_end, s + d)
+        stack.append((s + d, key))
+    span = max(float(e["ts"]) + float(e["dur"]) for e in mine) - float(mine[0]["ts"])
+    return f"{thread[0]}/{thread[1]}", table, span, span - covered
+
+
+def compare(base: tuple[str, dict], other: tuple[str, dict], top: int = 30) -> str:
+    """Per host event, the busiest thread's calls and mean self time in both traces; largest total differences."""
+    (bn, b), (on, o) = base, other
+    rows = []
+    for k in set(b) | set(o):
+        bc, bs = b.get(k, [0, 0.0])
+        oc, os_ = o.get(k, [0, 0.0])
+        rows.append((os_ - bs, k, bc, bs, oc, os_))
+    rows.sort(key=lambda r: -abs(r[0]))
+    total = sum(r[0] for r in rows)
+    lines = [f"host self time, {on} against {bn}: {total / 1e3:+.1f} ms in all; largest differences:"]
+    for diff, k, bc, bs, oc, os_ in rows[:top]:
+        bm = bs / bc if bc else 0.0
+        om = os_ / oc if oc else 0.0
+        ratio = f"{om / bm:.2f}×" if bm > 0 else "new"
+        lines.append(
+            f"  {diff / 1e3:+8.1f} ms  {k}: calls {int(bc)} → {int(oc)}, mean self {bm:.1f} → {om:.1f} µs ({ratio})"
+        )
+    # The common aten operators, pooled: did every one of them get slower by about the same factor?
+    common = [k for k in b if k in o and k.startswith("cpu_op:aten::") and b[k][0] >= 100 and o[k][0] >= 100]
+    if common:
+        bsum = sum(b[k][1] / b[k][0] for k in common)
+        osum = sum(o[k][1] / o[k][0] for k in common)
+        lines.append(f"  aten operators called ≥100 times in both ({len(common)}): mean self time × {osum / bsum:.3f}")
+    return "\n".join(lines)
+
+
+def report(path: Path, hosts: list | None = None) -> str:
     events = [e for e in load(path) if e.get("ph") == "X" and "dur" in e]
     gpu = [e for e in events if e.get("cat") in GPU_CATS]
     host = [e for e in events if e.get("cat") in HOST_CATS]
@@ -104,6 +174,18 @@ def report(path: Path) -> str:
     )
     lines.append(f"  graph launches {graphs}, eager kernel launches {launches}")
     lines += longest_gaps(spans, gpu, [e for e in events if e.get("cat") in HOST_WHILE], min(s for s, _ in iv))
+    thread, table, tspan, outside = host_self(events)
+    if table:
+        lines.append(
+            f"  busiest host thread {thread}: span {tspan / 1e3:.1f} ms, inside no traced event {outside / 1e3:.1f} ms; "
+            "self time: "
+            + ", ".join(
+                f"{k} {v[1] / 1e3:.1f} ms/{int(v[0])}" for k, v in sorted(table.items(), key=lambda kv: -kv[1][1])[:8]
+            )
+        )
+        table["(inside no traced event)"] = [1, outside]
+        if hosts is not None:
+            hosts.append((path.parent.name, table))
     return "\n".join(lines)
 
 
@@ -136,17 +218,22 @@ def longest_gaps(spans: list[tuple[float, float]], gpu: list[dict], host: list[d
 
 
 def main(argv: list[str]) -> int:
-    found = False
+    found, hosts = False, []
     for d in argv:
         for p in sorted(Path(d).rglob("*.json*")):
             if ".json" in p.name:
                 found = True
                 try:
-                    print(report(p), flush=True)
+                    print(report(p, hosts), flush=True)
                 except (OSError, EOFError, ValueError, KeyError) as e:  # a trace cut short by a limit
                     print(f"{p}: unreadable trace: {e}", flush=True)
     if not found:
         print(f"no trace under {' '.join(argv)}")
+    if len(hosts) > 1:
+        base = next((h for h in hosts if h[0] == "plain"), hosts[0])
+        for h in hosts:
+            if h is not base:
+                print(compare(base, h), flush=True)
     return 0
 
 

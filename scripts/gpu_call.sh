@@ -13,7 +13,9 @@
 # eager decode (MODES, REPEAT=2; HSBENCH_WATCH=1 counts faults and CPU in hscapture's parts: bench/step_watch.py);
 # graphs = prefill under vLLM's defaults, DeepSeek-V3 shape (MODELS, MODES: plain_graphs, hscapture_graphs and
 # hscapture_early_graphs); stream = tests/gpu/test_graph_capture.py, then the same prefill with HSBENCH_FEED=stream;
-# decode = prompt + response under vLLM's defaults and eager (MODES; default plain_graphs,hscapture_graphs,hscapture,plain).
+# decode = prompt + response under vLLM's defaults and eager (MODES; default plain_graphs,hscapture_graphs,hscapture,plain);
+# profile = eager decode under the torch profiler (MODES, default plain,hscapture; PROMPTS 64): bench/trace_gaps.py's
+# comparison of the engine thread's operators.
 # Logs in $OUT (they come back with the call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +41,8 @@ if [[ ! -d /tmp/site/vllm ]]; then  # a warm machine keeps it
 fi
 echo "[call] installed at $(($(date +%s) - T0)) s"
 [[ -d /tmp/siteold/hscapture || ! -d .gpu/stage/old ]] || pip install -q --no-index --no-deps --target /tmp/siteold .gpu/stage/old/*.whl
-device_tests() {  # TESTS narrows them
+device_tests() {  # TESTS narrows them; TESTS=- skips them
+  [[ ${TESTS:-} == - ]] && return
   TESTS=${TESTS:-tests/gpu/test_device_path.py tests/gpu/test_early_copies.py tests/gpu/test_fp8_device.py} \
     TESTS_LIMIT_S=$(($(left) < 150 ? $(left) : 150)) bash scripts/gpu_session.sh run tests
 }
@@ -72,6 +75,11 @@ case "${WHAT:-device}" in
   decode)  # prompt + response under vLLM's defaults and eager (gpu_session.sh's decode: 256 requests, one round)
     ROUNDS=1 timeout "$(left 10)" bash scripts/gpu_session.sh run decode | tail -40
     ;;
-  *) echo "WHAT: device, eager, graphs, stream or decode" >&2 && exit 2 ;;
+  profile)  # eager decode under the torch profiler, one batch a mode, no stack sampler: trace-gaps.txt compares the
+    # engine thread's operators (self time per call) of each mode with plain's
+    STACKS=0 MODES=${MODES:-plain,hscapture} PROMPTS=${PROMPTS:-64} PROFILE_LIMIT_S=$(left 15) \
+      bash scripts/gpu_session.sh run profile | tail -40
+    ;;
+  *) echo "WHAT: device, eager, graphs, stream, decode or profile" >&2 && exit 2 ;;
 esac
 echo "[call] done at $(($(date +%s) - T0)) s"

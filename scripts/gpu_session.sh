@@ -113,13 +113,15 @@ case "$what" in
         echo; } >"$out/eager-bench.log"
       HSBENCH_CPUS=${HSBENCH_CPUS:-0-7} timeout "${EAGER_LIMIT_S:-510}" python3 bench/gpu.py --models llama8b \
         --modes "${MODES:-plain,plain_noopconn,hscapture_offline,hscapture_offline_noopconn,hscapture_prompt,hscapture}" --prompts "${PROMPTS:-128}" \
-        --batch 64 --length 512 --decode 128 --rounds 1 --repeat "${REPEAT:-1}" 2>&1 | tee -a "$out/eager-bench.log" || true
+        --batch 64 --length 512 --decode 128 --rounds "${ROUNDS:-1}" --repeat "${REPEAT:-1}" 2>&1 | tee -a "$out/eager-bench.log" || true
     fi
     if [[ ",$parts," == *",profile,"* ]]; then  # why decode under graphs is slower: bisecting modes, stacks, kernels
       rm -rf /tmp/prof && mkdir -p /tmp/prof/stacks /tmp/prof/torch
       # TORCH_PROFILE=0: the stacks alone (the torch profiler's export would dominate them)
       tp=/tmp/prof/torch; [[ "${TORCH_PROFILE:-1}" == 0 ]] && tp=
-      HSBENCH_PROFILE=/tmp/prof/stacks HSBENCH_TORCH_PROFILE=$tp PYTHONPATH=$PWD/bench/profile:$PYTHONPATH \
+      # STACKS=0: no Python stack sampler (its thread takes the GIL every millisecond: the torch profiler's host times alone)
+      stacks=/tmp/prof/stacks; [[ "${STACKS:-1}" == 0 ]] && stacks=
+      HSBENCH_PROFILE=$stacks HSBENCH_TORCH_PROFILE=$tp PYTHONPATH=$PWD/bench/profile:$PYTHONPATH \
         timeout "${PROFILE_LIMIT_S:-530}" python3 bench/gpu.py --models "${MODELS:-llama8b}" \
         --modes "${MODES:-plain_graphs,hscapture_graphs,hscapture_prompt_graphs,hscapture_offline_graphs}" \
         --prompts "${PROMPTS:-256}" --batch 64 --length 512 --decode 128 --rounds "${ROUNDS:-1}" 2>&1 | tee "$out/profile-bench.log" || true

@@ -22,7 +22,10 @@ step's rows copied layer by layer during the forward, e.g. hscapture_early_graph
 returns heap memory to the system in that mode's processes, so memory freed and allocated again is never touched for
 the first time twice: do the engine thread's page faults cost eager decode? e.g. hscapture_notrim, plain_notrim);
 _ab (a connector mode, e.g. hscapture_ab): 2×ROUNDS rounds in one process, capture off (paused, requests without
-response rows) and on alternately, each pair's ratio printed: the capture's cost without the drift between processes.
+response rows) and on alternately, each pair's ratio printed: the capture's cost without the drift between processes;
+_abc (e.g. hscapture_abc): the same, then ROUNDS rounds paused with the hooks removed and ROUNDS with the capture
+closed and dropped (threads and pinned memory gone too; the connector stays): the capture's presence against the
+process's own luck.
 --decode N: every request also generates N tokens, and the hscapture modes capture prompt and response through the
 KV connector (`include_output_tokens`), one `generate` per batch, vLLM's default chunked prefill.
 Beside each mode: the worker process's garbage collections and the engine thread's minor faults and CPU time inside
@@ -258,6 +261,19 @@ def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: di
                 f"best on / best off {min(res['ab_off']) / min(res['rounds']):.3f}x)",
                 flush=True,
             )
+        for key, what in (
+            ("ab_unhooked", "paused with its hooks removed"),
+            ("ab_closed", "closed (threads joined, session freed)"),
+        ):
+            if key not in res:  # _abc: the capture's presence taken away in steps, in the same process
+                continue
+            xs, proc = res[key], res.get(key.replace("ab_", "") + "_process")
+            print(
+                f"[{name}/{mode}] then capture {what} ({proc}): rounds {', '.join(f'{x:.2f}' for x in xs)} s; "
+                f"off × this, best rounds {min(xs) / min(res['ab_off']):.3f}x, mean rounds "
+                f"{statistics.mean(xs) / statistics.mean(res['ab_off']):.3f}x",
+                flush=True,
+            )
         if "allocator" in res:  # CUDA caching-allocator counts over the timed rounds (each can synchronise)
             print(f"[{name}/{mode}] allocator over the rounds: {res['allocator']}", flush=True)
         if "thread_cpu_s" in res:  # CPU seconds per thread name over the rounds: the capture's threads vs the engine's
@@ -290,6 +306,18 @@ def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: di
     return results
 
 
+def phases(results: dict) -> dict:
+    """Each mode's timed rounds, with an `_ab`/`_abc` mode's capture-off, unhooked and closed rounds as modes of their
+    own (``hscapture_abc:off``, ``hscapture_abc:closed``): each can be set against plain's process."""
+    out = {}
+    for m, r in results.items():
+        out[m] = r["rounds"]
+        for key, tag in (("ab_off", "off"), ("ab_unhooked", "unhooked"), ("ab_closed", "closed")):
+            if r.get(key):
+                out[f"{m}:{tag}"] = r[key]
+    return out
+
+
 def spread(name: str, passes: list[dict]) -> None:
     """Each mode's ratio to plain within each pass (the runs next to each other), as min / median / max over the
     passes: the figure that holds when the machine drifts between passes."""
@@ -302,6 +330,13 @@ def spread(name: str, passes: list[dict]) -> None:
             per_mode.setdefault(m, []).append(r["tokens"] / r["seconds"] / base)
     cells = [f"{m} {min(xs):.3f}/{statistics.median(xs):.3f}/{max(xs):.3f}x" for m, xs in per_mode.items()]
     print(f"== {name}, per pass vs plain in the same pass (min/median/max of {len(passes)}): " + ", ".join(cells))
+    by_mean: dict[str, list[float]] = {}
+    for p in passes:
+        ref_mean = statistics.mean(p["plain"]["rounds"])
+        for m, xs in phases(p).items():
+            by_mean.setdefault(m, []).append(ref_mean / statistics.mean(xs))
+    cells = [f"{m} {min(xs):.3f}/{statistics.median(xs):.3f}/{max(xs):.3f}x" for m, xs in by_mean.items()]
+    print(f"== {name}, per pass by mean rounds (min/median/max of {len(passes)}): " + ", ".join(cells))
 
 
 def ratios(label_base: str, results: dict) -> None:
@@ -314,6 +349,14 @@ def ratios(label_base: str, results: dict) -> None:
         base = results[ref]["tokens"] / results[ref]["seconds"]
         print(
             f"== {label}: " + ", ".join(f"{m} {r['tokens'] / r['seconds'] / base:.3f}x" for m, r in results.items()),
+            flush=True,
+        )
+        # By the mean round instead of the best, with the _ab phases: a process's rounds move by 10-30 % on a busy
+        # host, and the best of few rounds is its luckiest.
+        ref_mean = statistics.mean(results[ref]["rounds"])
+        print(
+            f"== {label}, mean rounds: "
+            + ", ".join(f"{m} {ref_mean / statistics.mean(xs):.3f}x" for m, xs in phases(results).items()),
             flush=True,
         )
         # The same runs up to the last step's end (without the wait for its files): the steady-state cost.

@@ -85,13 +85,54 @@ def renice_writers(worker) -> int:
     return n
 
 
+def capture_worker(obj):
+    """The worker itself: a function sent through ``collective_rpc`` is given vLLM's ``WorkerWrapperBase``, which
+    reads through to its worker (``__getattr__``) but keeps what is set on it, where the worker never sees it."""
+    inner = vars(obj).get("worker")
+    return inner if inner is not None else obj
+
+
 def pause_capture(worker, paused: bool) -> bool:
     """The `_ab` modes: the worker's capture paused (its steps run as vLLM's own; hooks stay, disarmed) or resumed,
     between rounds, after a drain left no step in flight."""
+    worker = capture_worker(worker)
     if getattr(worker, "_hscapture", None) is None:
         return False
     worker._hscapture_paused = paused
     return True
+
+
+def unhook_capture(worker) -> int:
+    """The `_abc` modes' third phase: the capture paused and its layer hooks removed (its session, threads and pinned
+    memory stay): what the disarmed hooks cost. The hooks removed."""
+    worker = capture_worker(worker)
+    cap = getattr(worker, "_hscapture", None)
+    if cap is None:
+        return 0
+    worker._hscapture_paused = True
+    n = len(cap.handles)
+    for h in cap.handles:
+        h.remove()
+    cap.handles = []
+    return n
+
+
+def close_capture(worker) -> dict:
+    """The `_abc` modes' last phase: the worker's capture closed and dropped (its hooks removed, its writer threads
+    joined, its session's pinned memory freed), vLLM's connector plumbing and the worker class staying: what the
+    process costs without hscapture's presence. Its resident memory and thread count before and after."""
+    import gc
+
+    import psutil
+
+    worker, me = capture_worker(worker), psutil.Process()
+    before = {"rss": me.memory_info().rss, "threads": me.num_threads()}
+    cap, worker._hscapture = getattr(worker, "_hscapture", None), None
+    if cap is not None:
+        cap.close()
+    del cap
+    gc.collect()
+    return {"before": before, "after": {"rss": me.memory_info().rss, "threads": me.num_threads()}}
 
 
 def threads_used(llm, before: dict | None) -> dict | None:
@@ -206,6 +247,11 @@ def clock_sampler(llm):
     except Exception as e:  # noqa: BLE001 - a diagnosis only
         print(f"clock sampling unavailable: {type(e).__name__}: {e}", flush=True)
         return None
+
+
+def captured_steps(llm) -> int:
+    """The steps the worker's capture has bracketed so far (the `_ab` modes check that a paused round added none)."""
+    return [r for r in llm.collective_rpc("hscapture_stats") if r][0].get("host_ns_steps", 0)
 
 
 def allocator_counts(llm) -> dict | None:
@@ -356,6 +402,11 @@ if __name__ == "__main__":
     # the machine's drift between processes taken out. An on round's last batch is written after it (use several
     # batches a round: the earlier ones' files are written while the later ones decode, as a server's are).
     ab = "_ab" in mode
+    # _abc: then ROUNDS rounds paused with the layer hooks removed (unhook_capture), and ROUNDS with the capture
+    # closed and dropped (close_capture): the same process without hscapture's hooks, then without its threads and
+    # pinned memory too. Those against off: what the capture's presence costs; closed against a plain_noopconn
+    # process: the process's own luck.
+    abc = "_abc" in mode
     if ab and not connector:
         raise SystemExit(f"{mode}: _ab alternates hscapture's connector capture off and on (needs --decode)")
     sp_off = SamplingParams(max_tokens=max(decode, 1), detokenize=False, ignore_eos=True, temperature=0.0)
@@ -426,9 +477,12 @@ if __name__ == "__main__":
             llm.collective_rpc("hscapture_drain")
             clear()
             llm.collective_rpc(pause_capture, args=(True,))
+            seen = captured_steps(llm)
             t0 = time.perf_counter()
             run_round(sp_off)
             off.append(time.perf_counter() - t0)
+            if captured_steps(llm) != seen:  # the figures would be of a capture that was not off
+                raise SystemExit(f"{mode}: the capture ran steps while paused ({seen} -> {captured_steps(llm)})")
             llm.collective_rpc(pause_capture, args=(False,))
             clear()
             continue
@@ -502,5 +556,22 @@ if __name__ == "__main__":
             for k, v in st.items()
             if k.startswith("host_slow_")
         }
+    if abc:  # after every figure above: the capture cannot come back in this process
+        llm.generate(prompts[:1], sp_flush, use_tqdm=False)
+        llm.collective_rpc("hscapture_drain")
+        clear()
+        for key, how_to in (("ab_unhooked", unhook_capture), ("ab_closed", close_capture)):
+            info[key.replace("ab_", "") + "_process"] = llm.collective_rpc(how_to)[0]
+            seen = captured_steps(llm)
+            info[key] = []
+            for _ in range(rounds):
+                place()
+                t0 = time.perf_counter()
+                run_round(sp_off)
+                info[key].append(time.perf_counter() - t0)
+            if captured_steps(llm) != seen:
+                raise SystemExit(
+                    f"{mode}: the capture ran steps after {how_to.__name__} ({seen} -> {captured_steps(llm)})"
+                )
     _MEASURED.set()
     print("BENCH_JSON " + json.dumps(info), flush=True)

@@ -103,8 +103,8 @@ def pause_capture(worker, paused: bool) -> bool:
 
 
 def unhook_capture(worker) -> int:
-    """The `_abc` modes' third phase: the capture paused and its layer hooks removed (its session, threads and pinned
-    memory stay): what the disarmed hooks cost. The hooks removed."""
+    """The `_abc` modes' third round of a cycle: the capture paused and its layer hooks removed (its session, threads
+    and pinned memory stay): what the disarmed hooks cost. The hooks removed."""
     worker = capture_worker(worker)
     cap = getattr(worker, "_hscapture", None)
     if cap is None:
@@ -118,9 +118,10 @@ def unhook_capture(worker) -> int:
 
 
 def close_capture(worker) -> dict:
-    """The `_abc` modes' last phase: the worker's capture closed and dropped (its hooks removed, its writer threads
-    joined, its session's pinned memory freed), vLLM's connector plumbing and the worker class staying: what the
-    process costs without hscapture's presence. Its resident memory and thread count before and after."""
+    """The `_abc` modes' last round of a cycle: the worker's capture closed and dropped (its hooks removed, its writer
+    threads joined, its session's pinned memory freed once nothing holds it), vLLM's connector plumbing and the worker
+    class staying: what the process costs without hscapture's presence. Its resident memory and thread count before
+    and after."""
     import gc
 
     import psutil
@@ -133,6 +134,18 @@ def close_capture(worker) -> dict:
     del cap
     gc.collect()
     return {"before": before, "after": {"rss": me.memory_info().rss, "threads": me.num_threads()}}
+
+
+def reopen_capture(worker) -> int:
+    """The `_abc` modes: a closed capture built again as the worker built it at start-up (hooks, session, threads),
+    running (not paused). The process's thread count after."""
+    from hscapture.adapters.requested import capture_config
+
+    worker = capture_worker(worker)
+    if getattr(worker, "_hscapture", None) is None:
+        worker._hscapture = worker.capture_cls.from_worker(worker, capture_config(worker.vllm_config))
+    worker._hscapture_paused = False
+    return threading.active_count()
 
 
 def threads_used(llm, before: dict | None) -> dict | None:
@@ -402,11 +415,12 @@ if __name__ == "__main__":
     # the machine's drift between processes taken out. An on round's last batch is written after it (use several
     # batches a round: the earlier ones' files are written while the later ones decode, as a server's are).
     ab = "_ab" in mode
-    # _abc: then ROUNDS rounds paused with the layer hooks removed (unhook_capture), and ROUNDS with the capture
-    # closed and dropped (close_capture): the same process without hscapture's hooks, then without its threads and
-    # pinned memory too. Those against off: what the capture's presence costs; closed against a plain_noopconn
-    # process: the process's own luck.
+    # _abc: cycles of four rounds instead of pairs: off, on, paused with the layer hooks removed (unhook_capture),
+    # and with the capture closed and dropped (close_capture), built again (reopen_capture) before the next cycle:
+    # the same process without hscapture's hooks, then without its threads and memory too, alternating. Those
+    # against off: what the capture's presence costs; closed against a plain_noopconn process: the process's luck.
     abc = "_abc" in mode
+    cycle = 4 if abc else 2 if ab else 1
     if ab and not connector:
         raise SystemExit(f"{mode}: _ab alternates hscapture's connector capture off and on (needs --decode)")
     sp_off = SamplingParams(max_tokens=max(decode, 1), detokenize=False, ignore_eos=True, temperature=0.0)
@@ -468,22 +482,35 @@ if __name__ == "__main__":
     irq0, times0 = interrupts(), cpu_times()
     clock = clock_sampler(llm)
     per, drains, parts, off = [], [], [], []
-    for r in range(2 * rounds if ab else rounds):
+    absent: dict[str, list] = {"ab_unhooked": [], "ab_closed": [], "unhooked_process": [], "closed_process": []}
+    for r in range(cycle * rounds):
         place()
-        if ab and r % 2 == 0:  # capture off: the pair's first round
+        phase = r % cycle
+        if abc and phase == 0 and r > 0:
+            llm.collective_rpc(reopen_capture)
+        if ab and phase != 1:  # capture off (0), unhooked (2) or closed (3): no step of it may be captured
             # The last batch's samples complete with the next step the capture sees (the connector's metadata carries
             # their tokens): one short prompt-only request first, then their files, outside the timed rounds.
-            llm.generate(prompts[:1], sp_flush, use_tqdm=False)
-            llm.collective_rpc("hscapture_drain")
-            clear()
-            llm.collective_rpc(pause_capture, args=(True,))
+            if phase < 3:
+                llm.generate(prompts[:1], sp_flush, use_tqdm=False)
+                llm.collective_rpc("hscapture_drain")
+                clear()
+            how_to, key = {0: (pause_capture, None), 2: (unhook_capture, "unhooked"), 3: (close_capture, "closed")}[
+                phase
+            ]
+            done = llm.collective_rpc(how_to, args=(True,) if phase == 0 else ())[0]
+            if key:
+                absent[f"{key}_process"].append(done)
             seen = captured_steps(llm)
             t0 = time.perf_counter()
             run_round(sp_off)
-            off.append(time.perf_counter() - t0)
+            (off if phase == 0 else absent[f"ab_{key}"]).append(time.perf_counter() - t0)
             if captured_steps(llm) != seen:  # the figures would be of a capture that was not off
-                raise SystemExit(f"{mode}: the capture ran steps while paused ({seen} -> {captured_steps(llm)})")
-            llm.collective_rpc(pause_capture, args=(False,))
+                raise SystemExit(
+                    f"{mode}: the capture ran steps in a round without it ({seen} -> {captured_steps(llm)})"
+                )
+            if phase == 0:
+                llm.collective_rpc(pause_capture, args=(False,))
             clear()
             continue
         t0 = time.perf_counter()
@@ -496,6 +523,8 @@ if __name__ == "__main__":
         per.append(time.perf_counter() - t0)
         drains.append(time.perf_counter() - t1)  # the run's tail: the last step's copy, assembly and writes
         clear()
+    if abc:  # the last cycle closed it: built again, so that the worker ends as it began
+        llm.collective_rpc(reopen_capture)
     mem1 = allocator_counts(llm)
     cpu1 = threads_used(llm, cpu0) if cpu0 is not None else None
     watched = rpc_or_none(llm, step_watch.read) if watch is not None else None
@@ -540,6 +569,7 @@ if __name__ == "__main__":
         info["clock"] = clock.summary()
     if capture:
         info["device_path"] = path
+    if capture and not abc:  # _abc: each cycle's capture was a new session
         st = [r for r in llm.collective_rpc("hscapture_stats") if r][0]
         steps = max(1, st["host_ns_steps"] - base_stats["host_ns_steps"])
         info["host_us_per_step"] = {
@@ -556,22 +586,7 @@ if __name__ == "__main__":
             for k, v in st.items()
             if k.startswith("host_slow_")
         }
-    if abc:  # after every figure above: the capture cannot come back in this process
-        llm.generate(prompts[:1], sp_flush, use_tqdm=False)
-        llm.collective_rpc("hscapture_drain")
-        clear()
-        for key, how_to in (("ab_unhooked", unhook_capture), ("ab_closed", close_capture)):
-            info[key.replace("ab_", "") + "_process"] = llm.collective_rpc(how_to)[0]
-            seen = captured_steps(llm)
-            info[key] = []
-            for _ in range(rounds):
-                place()
-                t0 = time.perf_counter()
-                run_round(sp_off)
-                info[key].append(time.perf_counter() - t0)
-            if captured_steps(llm) != seen:
-                raise SystemExit(
-                    f"{mode}: the capture ran steps after {how_to.__name__} ({seen} -> {captured_steps(llm)})"
-                )
+    if abc:
+        info.update({k: v for k, v in absent.items() if v})
     _MEASURED.set()
     print("BENCH_JSON " + json.dumps(info), flush=True)

@@ -24,7 +24,7 @@ the first time twice: do the engine thread's page faults cost eager decode? e.g.
 _ab (a connector mode, e.g. hscapture_ab): 2×ROUNDS rounds in one process, capture off (paused, requests without
 response rows) and on alternately, each pair's ratio printed: the capture's cost without the drift between processes;
 _abc (e.g. hscapture_abc): ROUNDS cycles of four rounds: off, on, paused with the hooks removed, and closed (writer
-threads joined, dropped from the worker; the connector stays), the capture built again before each cycle: the
+threads joined, dropped from the worker; its memory and the connector stay), the capture built again before each cycle: the
 capture's presence against the process's own luck.
 --decode N: every request also generates N tokens, and the hscapture modes capture prompt and response through the
 KV connector (`include_output_tokens`), one `generate` per batch, vLLM's default chunked prefill.
@@ -263,7 +263,7 @@ def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: di
             )
         for key, what in (
             ("ab_unhooked", "paused with its hooks removed"),
-            ("ab_closed", "closed (threads joined, session freed)"),
+            ("ab_closed", "closed (writer threads joined; its memory still held)"),
         ):
             if key not in res:  # _abc: the capture's presence taken away in steps, in the same process
                 continue

@@ -118,34 +118,29 @@ def unhook_capture(worker) -> int:
 
 
 def close_capture(worker) -> dict:
-    """The `_abc` modes' last round of a cycle: the worker's capture closed and dropped (its hooks removed, its writer
-    threads joined, its session's pinned memory freed once nothing holds it), vLLM's connector plumbing and the worker
-    class staying: what the process costs without hscapture's presence. Its resident memory and thread count before
-    and after."""
-    import gc
-
+    """The `_abc` modes' last round of a cycle: the worker's capture closed and dropped from the worker (its hooks
+    removed, its writer threads joined), vLLM's connector plumbing and the worker class staying. Its memory stays:
+    the runner's order wrapper (``RunnerOrder``) still holds the closed capture. The process's threads before and
+    after."""
     import psutil
 
     worker, me = capture_worker(worker), psutil.Process()
-    before = {"rss": me.memory_info().rss, "threads": me.num_threads()}
+    before = me.num_threads()
     cap, worker._hscapture = getattr(worker, "_hscapture", None), None
     if cap is not None:
         cap.close()
-    del cap
-    gc.collect()
-    return {"before": before, "after": {"rss": me.memory_info().rss, "threads": me.num_threads()}}
+    return {"threads_before": before, "threads_after": me.num_threads()}
 
 
-def reopen_capture(worker) -> int:
-    """The `_abc` modes: a closed capture built again as the worker built it at start-up (hooks, session, threads),
-    running (not paused). The process's thread count after."""
+def reopen_capture(worker) -> None:
+    """The `_abc` modes: a closed capture built again as the worker built it at start-up (hooks, session, threads,
+    another order wrapper on the runner), running (not paused)."""
     from hscapture.adapters.requested import capture_config
 
     worker = capture_worker(worker)
     if getattr(worker, "_hscapture", None) is None:
         worker._hscapture = worker.capture_cls.from_worker(worker, capture_config(worker.vllm_config))
     worker._hscapture_paused = False
-    return threading.active_count()
 
 
 def threads_used(llm, before: dict | None) -> dict | None:
@@ -417,8 +412,9 @@ if __name__ == "__main__":
     ab = "_ab" in mode
     # _abc: cycles of four rounds instead of pairs: off, on, paused with the layer hooks removed (unhook_capture),
     # and with the capture closed and dropped (close_capture), built again (reopen_capture) before the next cycle:
-    # the same process without hscapture's hooks, then without its threads and memory too, alternating. Those
-    # against off: what the capture's presence costs; closed against a plain_noopconn process: the process's luck.
+    # the same process without hscapture's hooks, then without its threads too (each closed capture's memory stays,
+    # held by the runner's order wrapper), alternating. Those against off: what the capture's presence costs; closed
+    # against a plain_noopconn process: the process's luck.
     abc = "_abc" in mode
     cycle = 4 if abc else 2 if ab else 1
     if ab and not connector:

@@ -119,22 +119,29 @@ def unhook_capture(worker) -> int:
 
 def close_capture(worker) -> dict:
     """The `_abc` modes' last round of a cycle: the worker's capture closed and dropped from the worker (its hooks
-    removed, its writer threads joined), vLLM's connector plumbing and the worker class staying. Its memory stays:
-    the runner's order wrapper (``RunnerOrder``) still holds the closed capture. The process's threads before and
-    after."""
+    removed, its writer threads joined, the runner's order wrapper taken off), vLLM's connector plumbing and the worker
+    class staying. ``freed``: nothing kept the closed capture (its session, pinned buffers, device arena) alive after a
+    collection. The process's threads before and after."""
+    import gc
+    import weakref
+
     import psutil
 
     worker, me = capture_worker(worker), psutil.Process()
     before = me.num_threads()
     cap, worker._hscapture = getattr(worker, "_hscapture", None), None
+    gone = None
     if cap is not None:
         cap.close()
-    return {"threads_before": before, "threads_after": me.num_threads()}
+        gone = weakref.ref(cap)
+        del cap
+        gc.collect()
+    return {"threads_before": before, "threads_after": me.num_threads(), "freed": gone is not None and gone() is None}
 
 
 def reopen_capture(worker) -> None:
     """The `_abc` modes: a closed capture built again as the worker built it at start-up (hooks, session, threads,
-    another order wrapper on the runner), running (not paused)."""
+    the order wrapper on the runner), running (not paused)."""
     from hscapture.adapters.requested import capture_config
 
     worker = capture_worker(worker)
@@ -412,8 +419,8 @@ if __name__ == "__main__":
     ab = "_ab" in mode
     # _abc: cycles of four rounds instead of pairs: off, on, paused with the layer hooks removed (unhook_capture),
     # and with the capture closed and dropped (close_capture), built again (reopen_capture) before the next cycle:
-    # the same process without hscapture's hooks, then without its threads too (each closed capture's memory stays,
-    # held by the runner's order wrapper), alternating. Those against off: what the capture's presence costs; closed
+    # the same process without hscapture's hooks, then without its threads and memory too (close_capture says
+    # whether the closed capture was freed), alternating. Those against off: what the capture's presence costs; closed
     # against a plain_noopconn process: the process's luck.
     abc = "_abc" in mode
     cycle = 4 if abc else 2 if ab else 1

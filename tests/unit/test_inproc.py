@@ -107,3 +107,32 @@ def test_found_only_for_its_own_engine_on_the_thread_that_steps_it():
     del again
     gc.collect()
     assert inproc.capture_for(config) is None  # gone without a close: nothing kept alive
+
+
+def test_a_closed_capture_is_freed_though_the_runner_lives_on():
+    """The runner outlives the capture (a reload builds the next one on it): once closed, nothing it holds may keep
+    the capture's session, pinned buffers or device arena alive, and no cycle may (vLLM freezes its start-up heap)."""
+    import weakref
+
+    class PreparingRunner(Runner):
+        def _prepare_inputs(self, *args):
+            return args
+
+    runner = PreparingRunner()
+    session = _native.CaptureSession(list(LAYERS), "after", 4, H, "float32", "float32", assemble=True)
+    cfg = CaptureConfig(layers=LAYERS, convention="after")
+    sync = RankSync(SimpleNamespace(size=1, rank=0), 0, None)
+    cap = WorkerCapture(cfg, session, sync, RunnerOrder(runner))
+    cap.order.before_forward = cap.before_forward  # as wiring.py wires it
+    prompt_and_two_decode_steps(cap, runner)
+    gone = weakref.ref(cap)
+    gc.freeze()  # as vLLM's engine freezes its start-up heap: only reference counts can free the capture
+    try:
+        cap.close()
+        del cap, session
+        gc.collect()
+        assert gone() is None, "a closed capture is still held (a cycle through it, or the runner's wrapper)"
+    finally:
+        gc.unfreeze()
+    runner._prepare_inputs("so")  # the runner still runs, unwrapped
+    assert "_prepare_inputs" not in vars(runner)

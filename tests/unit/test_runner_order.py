@@ -132,3 +132,47 @@ def test_v2_execute_model_prepares_the_step_before_its_forward():
     prepared = src.index("self.prepare_inputs(")
     forwards = [i for i in (src.find("self.model("), src.find("run_fullgraph"), src.find("run_pw_graph")) if i >= 0]
     assert forwards and prepared < min(forwards), "Model Runner V2 runs a forward before preparing the step"
+
+
+def test_closing_puts_the_runners_method_back_and_a_new_order_wraps_it_once():
+    """A reload closes the capture and builds a new one on the same runner: the old wrapper must neither reach the
+    closed capture nor sit under the new one."""
+    calls = []
+    runner = V2Runner([("a", 2)])
+    first = RunnerOrder(runner, before_forward=lambda: calls.append("first"))
+    assert "prepare_inputs" in vars(runner)
+    first.close()
+    assert "prepare_inputs" not in vars(runner), "the class's own method is back"
+    assert first.before_forward is None
+    second = RunnerOrder(runner, before_forward=lambda: calls.append("second"))
+    runner.prepare_inputs("so")
+    assert calls == ["second"] and second.order() == ["a"]
+    second.close()
+    second.close()  # twice is harmless
+    assert "prepare_inputs" not in vars(runner)
+
+
+def test_closing_under_another_wrapper_leaves_it_in_place_and_inert():
+    calls = []
+    runner = V2Runner([("a", 2)])
+    ours = RunnerOrder(runner, before_forward=lambda: calls.append("ours"))
+    inner = runner.prepare_inputs
+
+    def theirs(*args):  # something wrapped the runner after us
+        calls.append("theirs")
+        return inner(*args)
+
+    runner.prepare_inputs = theirs
+    ours.close()
+    assert runner.prepare_inputs is theirs, "an outer wrapper is never cut off"
+    runner.prepare_inputs("so")
+    assert calls == ["theirs"] and ours._batch is None
+
+
+def test_an_instance_method_set_before_us_is_restored_as_it_was():
+    runner = V2Runner([("a", 2)])
+    own = runner.prepare_inputs
+    runner.prepare_inputs = own  # already an instance attribute (another plugin, an earlier patch)
+    o = RunnerOrder(runner, before_forward=lambda: None)
+    o.close()
+    assert vars(runner)["prepare_inputs"] is own

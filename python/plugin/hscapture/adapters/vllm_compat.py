@@ -218,17 +218,40 @@ class RunnerOrder:
             )
         inner = getattr(model_runner, method, None)
         self.pre_forward = callable(inner)
+        self._method = method
+        self._wrapper: Any = None
+        self._restore: tuple[bool, Any] = (method in vars(model_runner), inner)
         if self.pre_forward:
 
             def prepared(*args: Any, **kwargs: Any) -> Any:
                 out = inner(*args, **kwargs)
+                if self._wrapper is None:  # closed, but another wrapper outside keeps this one in the chain
+                    return out
                 if self.kind == "v2":
                     self._batch = out
                 if self.before_forward is not None:
                     self.before_forward()
                 return out
 
+            self._wrapper = prepared
             setattr(model_runner, method, prepared)  # this instance only
+
+    def close(self) -> None:
+        """The capture closed: the wrapper must no longer reach it (the runner outlives it, and would keep a closed
+        capture's session, pinned buffers and device arena alive through ``before_forward``). The runner's method is
+        put back where the wrapper is still the outermost one (a reload's next capture wraps it afresh, not on top);
+        under another wrapper it stays, inert."""
+        self.before_forward = None
+        self._batch = None
+        wrapper, self._wrapper = self._wrapper, None
+        runner = self.runner
+        if wrapper is None or vars(runner).get(self._method) is not wrapper:
+            return
+        had_own, inner = self._restore
+        if had_own:
+            setattr(runner, self._method, inner)
+        else:
+            delattr(runner, self._method)
 
     def reset(self) -> None:
         """At the start of each step: the previous step's batch must never be read for this one."""

@@ -22,9 +22,13 @@ class RpcState:
     driver slices the concatenated states back in that order), and the shape of the answer."""
 
     def __init__(self, cap: Any) -> None:
+        import weakref
+
         from ..adapters.requested import destination
 
-        self.cap = cap
+        # Weakly: the capture owns this state, and a cycle between them would outlive its close in a vLLM engine,
+        # which freezes its start-up heap out of the collector's reach (gc.freeze): only reference counts free it.
+        self.cap = weakref.proxy(cap)
         self.expected: dict[str, int] | None = None
         self.metadata_seen = False
         # Only a capture that keeps its samples for a driver has anything to hand out in admission order; a server's

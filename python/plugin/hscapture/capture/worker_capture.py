@@ -372,6 +372,8 @@ class WorkerCapture:
             for h in self.handles:
                 h.remove()
             self.handles = []
+            if self.order is not None:
+                self.order.close()
             self._deactivate()
             for part in ([self.link.close] if self.link is not None else []) + [self.session.finish]:
                 try:

@@ -42,10 +42,12 @@ def wrappers(w):
 def set_up_again(w, layers):
     # speculators' driver setting capture up again: the capture built at start-up is closed and replaced.
     worker = worker_of(w)
-    old = weakref.ref(worker._hscapture)
+    old, session = weakref.ref(worker._hscapture), worker._hscapture.session  # the session takes no weak reference
     worker._setup_hidden_states_capture(layers)
     gc.collect()
-    return {"old_freed": old() is None, "new": worker._hscapture is not None}
+    # Its pinned buffers and device arena go with the session: held by nothing but `session` here (and the call's own).
+    return {"old_freed": old() is None, "session_held": sys.getrefcount(session) - 2,
+            "new": worker._hscapture is not None}
 
 
 def sample_rows(w):
@@ -89,7 +91,7 @@ def test_a_capture_closed_in_a_running_engine_is_freed_and_the_next_one_captures
     assert r.returncode == 0 and line, r.stdout[-2000:] + r.stderr[-4000:]
     rep = json.loads(line[-1].removeprefix("REPORT "))
     for k in range(2):
-        assert rep[f"again_{k}"] == {"old_freed": True, "new": True}, rep
+        assert rep[f"again_{k}"] == {"old_freed": True, "session_held": 0, "new": True}, rep
         assert rep[f"wrappers_{k}"] == rep["wrappers_at_start"], f"wrappers stacked on the runner: {rep}"
     assert rep["wrappers_at_start"] == 1, f"V1 and V2 runners alike prepare each step through one method: {rep}"
     # The last capture took the prompt's 7 tokens at each layer: it captures as the one built at start-up did.

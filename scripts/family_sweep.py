@@ -63,6 +63,51 @@ FAMILIES = {
         "GraniteMoeHybridConfig",
         dict(num_local_experts=8, num_experts_per_tok=2, layer_types=["attention"] * 4),
     ),
+    # newer dense and MoE decoders (vLLM 0.32, transformers 5.x)
+    "smollm3": ("SmolLM3Config", dict(no_rope_layer_interval=2)),
+    "olmo3": ("Olmo3Config", dict(sliding_window=16)),
+    "seed_oss": ("SeedOssConfig", dict(head_dim=32)),
+    "arcee": ("ArceeConfig", {}),
+    "glm": ("GlmConfig", dict(head_dim=32)),
+    "vaultgemma": ("VaultGemmaConfig", dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=16)),
+    "apertus": ("ApertusConfig", {}),
+    "ernie4_5": ("Ernie4_5Config", dict(head_dim=32)),
+    "ernie4_5_moe": (
+        "Ernie4_5_MoeConfig",
+        dict(head_dim=32, moe_num_experts=8, moe_k=2, moe_intermediate_size=64, moe_layer_start_index=1),
+    ),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(head_dim=32)),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(head_dim=32, num_experts=8, moe_topk=2)),
+    "granitemoeshared": (
+        "GraniteMoeSharedConfig",
+        dict(num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=128),
+    ),
+    "dbrx": ("DbrxConfig", dict(d_model=128, n_heads=4, n_layers=4, max_seq_len=2048)),
+    "llama4_text": (
+        "Llama4TextConfig",
+        dict(head_dim=32, num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2),
+    ),
+    "gemma3n_text": ("Gemma3nTextConfig", dict(head_dim=32, sliding_window=16)),
+    "ministral3": ("Ministral3Config", dict(head_dim=32)),
+    "qwen3_5_text": ("Qwen3_5TextConfig", dict(head_dim=32)),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
+    ),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        dict(head_dim=32, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1),
+    ),
+    "afmoe": ("AfmoeConfig", dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)),
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        dict(head_dim=32, num_local_experts=8, num_experts_per_tok=2, rotary_dim=16),
+    ),
+    "lfm2": ("Lfm2Config", {}),
+    "falcon_h1": ("FalconH1Config", dict(head_dim=32)),
+    "jamba": ("JambaConfig", dict(num_experts=4, num_experts_per_tok=2, attn_layer_period=2, expert_layer_period=2)),
+    "nemotron_h": ("NemotronHConfig", {}),
+    "zamba2": ("Zamba2Config", {}),
 }
 
 

@@ -236,6 +236,14 @@ def test_model_configs_are_read_with_their_own_names(tmp_path):
         model_field({"hidden_size": 8}, "num_hidden_layers")
     vl = {"vision_config": {"num_hidden_layers": 32}, "text_config": {"num_hidden_layers": 28, "hidden_size": 64}}
     assert model_field(vl, "num_hidden_layers") == 28, "a multimodal config's text model"
+    # Hybrid decoders that give their depth as one entry per layer (NemotronH as transformers 5 saves it, and as
+    # its checkpoints spell it); an explicit count wins.
+    nemotron_h = {"hidden_size": 64, "layers_block_type": ["mamba", "moe", "attention", "mlp", "mamba"]}
+    assert model_field(nemotron_h, "num_hidden_layers") == 5
+    assert model_field({"hybrid_override_pattern": "M-M*-"}, "num_hidden_layers") == 5
+    assert model_field({"num_hidden_layers": 4, "layer_types": ["attention"] * 6}, "num_hidden_layers") == 4
+    with pytest.raises(ConfigError, match=r"hybrid_override_pattern, layer_types \(one entry per layer\)"):
+        model_field({"layer_types": []}, "num_hidden_layers")
 
 
 def test_output_paths_that_cannot_be_directories_are_typed_errors(tmp_path):

@@ -40,6 +40,18 @@ pub fn check_layer(
 /// Checks what a layer's tensors must be whatever the step: width, dtype, a residual like the hidden states (a
 /// CUDA graph's recorded launch is checked here once, when vLLM captures the graph).
 pub fn check_tensor(cfg: &SessionConfig, name: &str, hidden: &TensorDesc, residual: Option<&TensorDesc>) -> CoreResult<()> {
+    // Rows are the second-to-last dimension; any before it may only be 1 (a batch of one). A layer that stacks
+    // several streams per token (Gemma 3n's AltUp: [streams, tokens, hidden]) would otherwise be read as more rows,
+    // and the step's tokens taken from its first stream alone.
+    let lead = hidden.shape.len().saturating_sub(2);
+    ensure!(
+        hidden.shape.len() >= 2 && hidden.shape[..lead].iter().all(|&d| d == 1),
+        ShapeContract,
+        "{name}: expected a [tokens, hidden] tensor (leading dimensions of 1 allowed), found shape {:?}; this \
+         layer returns several hidden states per token (parallel streams, as Gemma 3n's AltUp) and hscapture does \
+         not choose one of them: this model cannot be captured",
+        hidden.shape
+    );
     ensure!(
         hidden.width() == cfg.hidden_size,
         ShapeContract,

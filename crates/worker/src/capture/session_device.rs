@@ -135,4 +135,12 @@ impl Session {
         }
         Ok(want)
     }
+
+    /// The shape contract's step-independent part (width, dtype, rows as the second-to-last dimension) on a slot's
+    /// tensors seen outside a step (vLLM's profile and warm-up forwards): a model whose layers can never be captured
+    /// is refused at start-up, not at its first request.
+    pub fn check_shape(&self, slot: usize, hidden: &TensorDesc, residual: Option<&TensorDesc>) -> CoreResult<()> {
+        self.check_point(slot, None)?;
+        check_tensor(self.protocol.config(), &slot_name(&self.protocol.config().layers, slot), hidden, residual)
+    }
 }

@@ -91,6 +91,17 @@ impl CaptureSession {
         guard("check_point", || Ok(self.inner.check_point(slot, point)?))
     }
 
+    /// Checks what slot `slot`'s tensors must be whatever the step (width, dtype, rows as the second-to-last
+    /// dimension); a `ShapeContractError` if not. For the forwards vLLM runs before any request.
+    #[pyo3(signature = (slot, hidden, residual=None))]
+    fn check_shape(&self, slot: usize, hidden: &Bound<'_, PyAny>, residual: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        guard("check_shape", || {
+            let h = describe(hidden, "hidden states")?;
+            let r = residual.map(|r| describe(r, "residual")).transpose()?;
+            Ok(self.inner.check_shape(slot, &h, r.as_ref())?)
+        })
+    }
+
     /// Each slot's capture point as the number a compiled graph's tap carries (`k`: the output of decoder layer `k`;
     /// -1: the embeddings).
     fn point_codes(&self) -> PyResult<Vec<i32>> {

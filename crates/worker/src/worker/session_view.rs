@@ -5,6 +5,7 @@
 use super::WorkerSession;
 use crate::attribution::layers::LayerPlan;
 use crate::capture::step::SessionStats;
+use crate::capture::tensor::TensorDesc;
 use crate::error::CoreResult;
 use crate::sample::SampleKey;
 use hscapture_kernels::DType;
@@ -24,6 +25,11 @@ impl WorkerSession {
     /// Checks that `point` (a compiled graph's tap's) is slot `slot`'s capture point.
     pub fn check_point(&self, slot: usize, point: i32) -> CoreResult<()> {
         self.session.check_point(slot, Some(point)).map(|_| ())
+    }
+
+    /// The shape contract's step-independent part on a slot's tensors seen outside a step.
+    pub fn check_shape(&self, slot: usize, hidden: &TensorDesc, residual: Option<&TensorDesc>) -> CoreResult<()> {
+        self.session.check_shape(slot, hidden, residual)
     }
 
     pub fn in_step(&self) -> bool {

@@ -44,7 +44,11 @@ def _current_stream(device_index: int) -> int:
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as [rows, hidden] (a view when its leading dimensions collapse; the core refuses the rest)."""
+    """``t`` as [rows, hidden] where it is a batch of one ([1, tokens, hidden]: a view). Anything else stays as it is
+    for the core to refuse by its shape: several hidden states per token ([streams, tokens, hidden], Gemma 3n's
+    AltUp) flattened would pass as more rows, the step's tokens read from the first stream alone."""
+    if any(d != 1 for d in t.shape[:-2]):
+        return t
     return t.flatten(0, -2)
 
 
@@ -92,6 +96,7 @@ class WorkerCapture:
         self.times = StepTimes()  # this thread's host time per part of the step protocol
         self.host_ns = self.times.ns  # the forward's parts add up here (before_forward, hooks)
         self._active = False
+        self._shape_checked: set[int] = set()  # slots whose tensors met the shape contract outside a step
         self.step_thread: int | None = None  # the thread that began the last step (inproc.py)
         self._scheduled: dict[str, int] = {}
         self._total = 0
@@ -183,7 +188,7 @@ class WorkerCapture:
     def _unshard(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None):
         """A residual stream sharded across the TP ranks (sequence-parallel MoE) is gathered, in rank
         order, before capture; a shape that is neither replicated nor that sharding is refused."""
-        if hidden.shape[0] >= self._total:
+        if hidden.dim() != 2 or hidden.shape[0] >= self._total:  # not rows: the core refuses it by its shape
             return hidden, residual
         where = f"layer id {self.layer_ids[slot]} ({self.cfg.convention} convention, slot {slot})"
         chunk = _native.row_layout(
@@ -204,10 +209,13 @@ class WorkerCapture:
             # all the same (disarmed, it writes nothing) so that a graph being captured records it. An error here is
             # the model's shape, the same at every forward: raised now, it stops vLLM's start-up.
             self._check_point(slot, point)  # a compiled graph cached for other settings: refused at start-up
+            if hidden.dim() > 2:
+                hidden, residual = _rows(hidden), (_rows(residual) if residual is not None else None)
             if self.device_path == "device" and hidden.is_cuda:
-                if hidden.dim() > 2:
-                    hidden, residual = _rows(hidden), (_rows(residual) if residual is not None else None)
-                self._launch(slot, hidden, residual)
+                self._launch(slot, hidden, residual)  # checked by the core as it records the launch
+            elif slot not in self._shape_checked:  # once a slot: a layer that can never be captured stops start-up
+                self.session.check_shape(slot, hidden, residual)
+                self._shape_checked.add(slot)
             return
         t = time.perf_counter_ns()
         try:

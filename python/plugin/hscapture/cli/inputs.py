@@ -249,6 +249,11 @@ _ALIASES = {
 }
 
 
+# Hybrid decoders may give their depth only as one entry per layer: NemotronH's `layers_block_type` (transformers
+# 5 writes no num_hidden_layers) and `hybrid_override_pattern` (a character per layer), Granite 4's `layer_types`.
+_PER_LAYER = ("layers_block_type", "hybrid_override_pattern", "layer_types")
+
+
 def model_field(cfg: dict, name: str, required: bool = True) -> int | None:
     """A field of the model's (text) config by any of its names; a required one missing is a ``ConfigError``."""
     text = text_config(cfg)
@@ -256,10 +261,16 @@ def model_field(cfg: dict, name: str, required: bool = True) -> int | None:
         v = text.get(key)
         if isinstance(v, int) and not isinstance(v, bool):
             return v
+    if name == "num_hidden_layers":
+        for key in _PER_LAYER:
+            v = text.get(key)
+            if isinstance(v, (list, str)) and len(v) > 0:
+                return len(v)
     if required:
+        also = f", {', '.join(_PER_LAYER)} (one entry per layer)" if name == "num_hidden_layers" else ""
         raise ConfigError(
-            f"the model's config.json has no {name} (looked for {', '.join(_ALIASES[name])}, also under text_config); "
-            "expected a transformers config of a decoder model"
+            f"the model's config.json has no {name} (looked for {', '.join(_ALIASES[name])}{also}, also under "
+            "text_config); expected a transformers config of a decoder model"
         )
     return None
 

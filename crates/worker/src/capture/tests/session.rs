@@ -143,6 +143,29 @@ fn shape_and_dtype_are_enforced() {
 }
 
 #[test]
+fn a_layer_that_stacks_streams_per_token_is_refused_and_a_batch_of_one_is_read() {
+    let mut s = session(&[1], true);
+    s.begin_step(input(vec![req("a", 3, 0)], vec![], &[("a", 3)])).unwrap();
+    s.plan(&["a".to_string()]).unwrap();
+    let h: Vec<f32> = (0..2 * 3 * H).map(|i| i as f32).collect();
+    // Gemma 3n's AltUp: [streams, tokens, hidden]; read as rows it would pass the row count with stream 0 alone.
+    let stacked = TensorDesc {
+        ptr: h.as_ptr() as usize,
+        shape: vec![2, 3, H],
+        strides: vec![(3 * H) as i64, H as i64, 1],
+        dtype: DType::F32,
+        device: Device::Cpu,
+    };
+    // SAFETY: `h` is live for the calls below.
+    let e = unsafe { s.capture(0, None, &stacked, None, 0) }.unwrap_err();
+    assert_eq!(e.kind, ErrorKind::ShapeContract);
+    assert!(e.message.contains("[2, 3, 4]") && e.message.contains("several hidden states per token"), "{e}");
+    let batch_of_one = TensorDesc { shape: vec![1, 3, H], ..stacked };
+    // SAFETY: as above.
+    unsafe { s.capture(0, None, &batch_of_one, None, 0) }.unwrap();
+}
+
+#[test]
 fn non_finite_values_name_sample_layer_and_count() {
     let mut s = session(&[6], true);
     s.begin_step(input(vec![req("a", 3, 42)], vec![], &[("a", 3)])).unwrap();

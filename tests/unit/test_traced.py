@@ -94,9 +94,9 @@ def test_a_graph_built_for_other_capture_points_is_refused():
     from test_rpc import Worker
 
     cap = Worker(layers=(0, 2))._hscapture
-    cap.on_traced(0, 0, torch.zeros(2, 4), None)  # its own point: fine (no step)
+    cap.on_traced(0, 0, torch.zeros(2, 8), None)  # its own point: fine (no step)
     with pytest.raises(CompatibilityError, match="taps the output of decoder layer 1 for layer id 0"):
-        cap.on_traced(0, 1, torch.zeros(2, 4), None)  # outside a step (vLLM's start-up): raised at once
+        cap.on_traced(0, 1, torch.zeros(2, 8), None)  # outside a step (vLLM's start-up): raised at once
 
 
 def test_finish_deactivates_and_reports_the_taps_of_captured_steps():

@@ -220,7 +220,7 @@ class RunnerOrder:
         self.pre_forward = callable(inner)
         self._method = method
         self._wrapper: Any = None
-        self._restore: tuple[bool, Any] = (method in vars(model_runner), inner)
+        self._own = vars(model_runner).get(method)  # an instance attribute already there, put back on close
         if self.pre_forward:
 
             def prepared(*args: Any, **kwargs: Any) -> Any:
@@ -247,11 +247,10 @@ class RunnerOrder:
         runner = self.runner
         if wrapper is None or vars(runner).get(self._method) is not wrapper:
             return
-        had_own, inner = self._restore
-        if had_own:
-            setattr(runner, self._method, inner)
+        if self._own is None:
+            delattr(runner, self._method)  # the class's own method again
         else:
-            delattr(runner, self._method)
+            setattr(runner, self._method, self._own)
 
     def reset(self) -> None:
         """At the start of each step: the previous step's batch must never be read for this one."""

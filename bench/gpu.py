@@ -263,17 +263,28 @@ def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: di
             )
         for key, what in (
             ("ab_unhooked", "paused with its hooks removed"),
-            ("ab_closed", "closed (writer threads joined; its memory still held)"),
+            ("ab_closed", "closed (writer threads joined; its session, buffers and arena freed where `freed`)"),
         ):
             if key not in res:  # _abc: the capture's presence taken away in steps, in the same process
                 continue
             xs, proc = res[key], res.get(key.replace("ab_", "") + "_process")
             print(
                 f"[{name}/{mode}] then capture {what} ({proc}): rounds {', '.join(f'{x:.2f}' for x in xs)} s; "
-                f"off × this, best rounds {min(xs) / min(res['ab_off']):.3f}x, mean rounds "
+                f"time × off's per cycle {', '.join(f'{b / a:.3f}' for a, b in zip(res['ab_off'], xs, strict=False))}; "
+                f"best rounds {min(xs) / min(res['ab_off']):.3f}x, mean rounds "
                 f"{statistics.mean(xs) / statistics.mean(res['ab_off']):.3f}x",
                 flush=True,
             )
+        if "round_steps" in res:  # each round: its step calls' median and sum, and the time between them
+            print(f"[{name}/{mode}] rounds' steps (median ms of execute_model / sample_tokens; s in them / between):")
+            for r in res["round_steps"]:
+                ex, sa = r.get("execute_model", [0, 0, 0, 0]), r.get("sample_tokens", [0, 0, 0, 0])
+                between = r.get("span_s", 0) - ex[3] - sa[3]
+                print(
+                    f"    {r['phase']:>8}: {ex[0]} steps, {ex[1]:.2f} / {sa[1]:.2f} ms (p90 {ex[2]:.2f} / {sa[2]:.2f}); "
+                    f"{ex[3] + sa[3]:.2f} s in them, {between:.2f} s between",
+                    flush=True,
+                )
         if "allocator" in res:  # CUDA caching-allocator counts over the timed rounds (each can synchronise)
             print(f"[{name}/{mode}] allocator over the rounds: {res['allocator']}", flush=True)
         if "thread_cpu_s" in res:  # CPU seconds per thread name over the rounds: the capture's threads vs the engine's

@@ -485,6 +485,16 @@ if __name__ == "__main__":
     irq0, times0 = interrupts(), cpu_times()
     clock = clock_sampler(llm)
     per, drains, parts, off = [], [], [], []
+    round_steps: list[dict] = []  # each timed round's step calls (bench/step_watch.py: medians, sums, span), in order
+
+    def take_steps(phase: str | None = None) -> None:
+        """The step calls' wall times since the last take, kept as round ``phase``'s (None: dropped)."""
+        if watch is None:
+            return
+        took = rpc_or_none(llm, step_watch.take_round)
+        if phase is not None and took:
+            round_steps.append({"phase": phase, **took})
+
     absent: dict[str, list] = {"ab_unhooked": [], "ab_closed": [], "unhooked_process": [], "closed_process": []}
     for r in range(cycle * rounds):
         place()
@@ -505,9 +515,11 @@ if __name__ == "__main__":
             if key:
                 absent[f"{key}_process"].append(done)
             seen = captured_steps(llm)
+            take_steps()  # the flush's steps are not the round's
             t0 = time.perf_counter()
             run_round(sp_off)
             (off if phase == 0 else absent[f"ab_{key}"]).append(time.perf_counter() - t0)
+            take_steps(key or "off")
             if captured_steps(llm) != seen:  # the figures would be of a capture that was not off
                 raise SystemExit(
                     f"{mode}: the capture ran steps in a round without it ({seen} -> {captured_steps(llm)})"
@@ -516,9 +528,11 @@ if __name__ == "__main__":
                 llm.collective_rpc(pause_capture, args=(False,))
             clear()
             continue
+        take_steps()
         t0 = time.perf_counter()
         run_round()
         t1 = time.perf_counter()
+        take_steps("on" if ab else "round")
         if capture:
             res = [r for r in llm.collective_rpc("hscapture_drain") if r and r.get("writer")]
             path = res[0]["device_path"] if res else "?"
@@ -562,6 +576,8 @@ if __name__ == "__main__":
         info["thread_migrations"] = {k: v[4] for k, v in list(cpu1.items())[:4]}
     if watched:  # the worker process's collections, the engine thread's faults and CPU in each step's calls
         info["watch"] = watched
+    if round_steps:
+        info["round_steps"] = round_steps
     if times0 and times1:  # the whole machine's, over the timed rounds
         info["cpu_seconds"] = {
             k: round(times1[k] - times0[k], 2) for k in ("user", "system", "steal", "irq") if k in times1

@@ -27,6 +27,7 @@ class Watch:
     def __init__(self) -> None:
         self.gc = {g: [0, 0] for g in range(3)}  # generation: [collections, ns]
         self.calls: dict[str, list[int]] = {}  # name: [calls, minor faults, thread CPU ns]
+        self.walls: dict[str, list[tuple[int, int]]] = {n: [] for n in STEP_CALLS}  # (start, end) ns, to `take_round`
         self._started: dict[int, int] = {}
 
     def on_gc(self, phase: str, info: dict) -> None:
@@ -42,12 +43,16 @@ class Watch:
 
     def wrap(self, name: str, fn):
         acc = self.calls.setdefault(name, [0, 0, 0])
+        walls = self.walls.get(name)
 
         def call(*args, **kwargs):
             f0, c0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt, time.thread_time_ns()
+            w0 = time.perf_counter_ns()
             try:
                 return fn(*args, **kwargs)
             finally:
+                if walls is not None:
+                    walls.append((w0, time.perf_counter_ns()))
                 acc[0] += 1
                 acc[1] += resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0
                 acc[2] += time.thread_time_ns() - c0
@@ -57,6 +62,27 @@ class Watch:
     def reset(self) -> None:
         for v in (*self.gc.values(), *self.calls.values()):
             v[:] = [0] * len(v)
+        for w in self.walls.values():
+            w.clear()
+
+    def take_round(self) -> dict:
+        """The step calls' wall times since the last take: per call name [calls, median ms, 90th percentile ms, sum s],
+        and ``span_s`` from the first call's start to the last's end. A round's time splits into its steps' calls and
+        the rest (``span_s`` minus the sums: vLLM's scheduler and output handling between them), and a median is
+        not moved by a few stalls, where a round's total is."""
+        out: dict = {}
+        starts, ends = [], []
+        for name, w in self.walls.items():
+            if not w:
+                continue
+            d = sorted(b - a for a, b in w)
+            out[name] = [len(d), round(d[len(d) // 2] / 1e6, 3), round(d[(len(d) * 9) // 10] / 1e6, 3), sum(d) / 1e9]
+            starts.append(w[0][0])
+            ends.append(w[-1][1])
+            w.clear()
+        if starts:
+            out["span_s"] = (max(ends) - min(starts)) / 1e9
+        return out
 
     def summary(self) -> dict:
         return {
@@ -102,6 +128,12 @@ def start(wrapper) -> bool:
             cap.session = _CoreCalls(watch, cap.session)  # the hooks reach the core through `cap.session` too
     watch.reset()
     return any(k.startswith("hscapture.") for k in watch.calls)
+
+
+def take_round(wrapper) -> dict | None:
+    """The step calls' wall times since the last take (`Watch.take_round`); None without a watch."""
+    watch = getattr(getattr(wrapper, "worker", wrapper), "_hsbench_watch", None)
+    return watch.take_round() if watch is not None else None
 
 
 def read(wrapper) -> dict | None:

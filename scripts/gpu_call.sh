@@ -41,10 +41,10 @@ if [[ ! -d /tmp/site/vllm ]]; then  # a warm machine keeps it
 fi
 echo "[call] installed at $(($(date +%s) - T0)) s"
 [[ -d /tmp/siteold/hscapture || ! -d .gpu/stage/old ]] || pip install -q --no-index --no-deps --target /tmp/siteold .gpu/stage/old/*.whl
-device_tests() {  # TESTS narrows them; TESTS=- skips them
+device_tests() {  # TESTS narrows them; TESTS=- skips them; TESTS_LIMIT_S (default 150) bounds them
   [[ ${TESTS:-} == - ]] && return
   TESTS=${TESTS:-tests/gpu/test_device_path.py tests/gpu/test_early_copies.py tests/gpu/test_fp8_device.py} \
-    TESTS_LIMIT_S=$(($(left) < 150 ? $(left) : 150)) bash scripts/gpu_session.sh run tests
+    TESTS_LIMIT_S=$(($(left) < ${TESTS_LIMIT_S:-150} ? $(left) : ${TESTS_LIMIT_S:-150})) bash scripts/gpu_session.sh run tests
 }
 step_host() {  # STEP_HOST=0 skips it; gpu_session.sh's run left /tmp/hs (tests, bench) and this tree's wheel in /tmp/site
   [[ ${STEP_HOST:-1} == 0 ]] && return

@@ -307,6 +307,8 @@ def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: di
             print(f"[{name}/{mode}] interrupts over the rounds: {res['interrupts']}", flush=True)
         if "cpu_seconds" in res:  # every CPU's, over the rounds: steal = the host ran something else on them
             print(f"[{name}/{mode}] the machine's CPU seconds over the rounds: {res['cpu_seconds']}", flush=True)
+        if "numa" in res:  # where the worker's memory lies, per NUMA node (a process's luck?)
+            print(f"[{name}/{mode}] the worker's memory per NUMA node: {res['numa']}", flush=True)
         if "clock" in res:  # the engine thread's CPU clock over the rounds (bench/clock.py): a slower core?
             print(f"[{name}/{mode}] clocks over the rounds: {res['clock']}", flush=True)
         if "host_us_per_step" in res:

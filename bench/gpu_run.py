@@ -244,6 +244,26 @@ def exit_if_engine_dies(every_s: float = 2.0) -> None:
     threading.Thread(target=watch, name="bench-engine-watch", daemon=True).start()
 
 
+def numa_pages(worker) -> dict:
+    """MiB of the worker's process resident on each NUMA node (``/proc/self/numa_maps``), and the nodes the machine
+    has: eager plain moves ±25 % from one process to the next; a process whose memory lies on the other node from its
+    CPUs (pinned with HSBENCH_CPUS, its memory not) would show it here. Empty where the kernel exposes no NUMA."""
+    import re
+
+    nodes: dict[str, float] = {}
+    try:
+        with open("/proc/self/numa_maps") as f:
+            for line in f:
+                size = re.search(r"kernelpagesize_kB=(\d+)", line)
+                kib = int(size.group(1)) if size else 4
+                for node, pages in re.findall(r"\bN(\d+)=(\d+)", line):
+                    nodes[node] = nodes.get(node, 0.0) + int(pages) * kib / 1024
+        online = open("/sys/devices/system/node/online").read().strip()
+    except OSError:
+        return {}
+    return {"online": online, "mib": {f"N{k}": round(v) for k, v in sorted(nodes.items())}}
+
+
 def engine_thread(worker) -> tuple[int, int]:
     """The worker's process and the thread this call runs on: the engine's (at TP 1 the engine core's busy loop
     runs the worker and its calls)."""
@@ -576,6 +596,9 @@ if __name__ == "__main__":
         info["thread_migrations"] = {k: v[4] for k, v in list(cpu1.items())[:4]}
     if watched:  # the worker process's collections, the engine thread's faults and CPU in each step's calls
         info["watch"] = watched
+    numa = rpc_or_none(llm, numa_pages)
+    if numa:
+        info["numa"] = numa
     if round_steps:
         info["round_steps"] = round_steps
     if times0 and times1:  # the whole machine's, over the timed rounds

@@ -108,7 +108,7 @@ case "$what" in
     fi
     if [[ ",$parts," == *",eager,"* ]]; then  # eager decode bisected, every mode on cores 0-7 (~65 s a mode)
       # Which logical CPUs share a core (pinned to 0-7, the engine's thread may share one with a writer thread).
-      { lscpu | grep -E 'Model name|^CPU\(s\)|Thread|MHz' || true
+      { lscpu | grep -E 'Model name|^CPU\(s\)|Thread|MHz|NUMA' || true
         grep -H . /sys/devices/system/cpu/cpu*/topology/thread_siblings_list 2>/dev/null | sed 's|/sys/devices/system/cpu/||' | tr '\n' ' '
         echo; } >"$out/eager-bench.log"
       HSBENCH_CPUS=${HSBENCH_CPUS:-0-7} timeout "${EAGER_LIMIT_S:-510}" python3 bench/gpu.py --models llama8b \

@@ -24,8 +24,8 @@ the first time twice: do the engine thread's page faults cost eager decode? e.g.
 _ab (a connector mode, e.g. hscapture_ab): 2×ROUNDS rounds in one process, capture off (paused, requests without
 response rows) and on alternately, each pair's ratio printed: the capture's cost without the drift between processes;
 _abc (e.g. hscapture_abc): ROUNDS cycles of four rounds: off, on, paused with the hooks removed, and closed (writer
-threads joined, dropped from the worker; its memory and the connector stay), the capture built again before each cycle: the
-capture's presence against the process's own luck.
+threads joined, dropped from the worker and freed; the connector stays), the capture built again before each cycle, off and
+on swapping places every other cycle, an untimed batch first in each: the capture's presence against the process's own luck.
 --decode N: every request also generates N tokens, and the hscapture modes capture prompt and response through the
 KV connector (`include_output_tokens`), one `generate` per batch, vLLM's default chunked prefill.
 Beside each mode: the worker process's garbage collections and the engine thread's minor faults and CPU time inside

@@ -440,8 +440,9 @@ if __name__ == "__main__":
     # _abc: cycles of four rounds instead of pairs: off, on, paused with the layer hooks removed (unhook_capture),
     # and with the capture closed and dropped (close_capture), built again (reopen_capture) before the next cycle:
     # the same process without hscapture's hooks, then without its threads and memory too (close_capture says
-    # whether the closed capture was freed), alternating. Those against off: what the capture's presence costs; closed
-    # against a plain_noopconn process: the process's luck.
+    # whether the closed capture was freed), alternating; off and on swap places every other cycle, and an untimed
+    # batch (`settle`) opens each cycle. Those against off: what the capture's presence costs; closed against a
+    # plain_noopconn process: the process's luck.
     abc = "_abc" in mode
     cycle = 4 if abc else 2 if ab else 1
     if ab and not connector:
@@ -516,11 +517,25 @@ if __name__ == "__main__":
             round_steps.append({"phase": phase, **took})
 
     absent: dict[str, list] = {"ab_unhooked": [], "ab_closed": [], "unhooked_process": [], "closed_process": []}
+
+    def settle() -> None:
+        """_abc: an untimed batch at each cycle's start, the capture paused. Whatever a cycle's first round measured, it
+        ran slower (vLLM for CPU, tiny Llama: the first round 0.1-0.4 ms a step slower than the third with both
+        paused and hooked), so no measured round comes first after the capture was built."""
+        llm.collective_rpc(pause_capture, args=(True,))
+        llm.generate(prompts[:batch], sp_off, use_tqdm=False)
+        llm.collective_rpc(pause_capture, args=(False,))
+        take_steps()
+
     for r in range(cycle * rounds):
         place()
-        phase = r % cycle
-        if abc and phase == 0 and r > 0:
-            llm.collective_rpc(reopen_capture)
+        n_cycle, at = divmod(r, cycle)
+        # _abc: off and on swap places every other cycle (unhooked and closed can only follow them)
+        phase = (1, 0, 2, 3)[at] if abc and n_cycle % 2 else at
+        if abc and at == 0:
+            if r > 0:
+                llm.collective_rpc(reopen_capture)
+            settle()
         if ab and phase != 1:  # capture off (0), unhooked (2) or closed (3): no step of it may be captured
             # The last batch's samples complete with the next step the capture sees (the connector's metadata carries
             # their tokens): one short prompt-only request first, then their files, outside the timed rounds.

@@ -255,7 +255,7 @@ def run_pass(args: argparse.Namespace, name: str, mdir: Path, out: Path, env: di
         if "ab_off" in res:  # _ab: capture off and on, alternating in one process
             pairs = [a / b for a, b in zip(res["ab_off"], res["rounds"], strict=True)]
             print(
-                f"[{name}/{mode}] in one process, capture off then on: rounds off "
+                f"[{name}/{mode}] in one process, capture off and on (_abc: swapping every other cycle): rounds off "
                 f"{', '.join(f'{x:.2f}' for x in res['ab_off'])} s, on {', '.join(f'{x:.2f}' for x in res['rounds'])} s; "
                 f"on × off per pair {', '.join(f'{x:.3f}' for x in pairs)} (median {statistics.median(pairs):.3f}x; "
                 f"best on / best off {min(res['ab_off']) / min(res['rounds']):.3f}x)",

@@ -258,7 +258,8 @@ def numa_pages(worker) -> dict:
                 kib = int(size.group(1)) if size else 4
                 for node, pages in re.findall(r"\bN(\d+)=(\d+)", line):
                     nodes[node] = nodes.get(node, 0.0) + int(pages) * kib / 1024
-        online = open("/sys/devices/system/node/online").read().strip()
+        with open("/sys/devices/system/node/online") as f:
+            online = f.read().strip()
     except OSError:
         return {}
     return {"online": online, "mib": {f"N{k}": round(v) for k, v in sorted(nodes.items())}}
